@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Installs everything pgcascade needs on a fresh Debian 12 machine, idempotently:
+#   - Debian packages (PostgreSQL 15 server and client, Java 17, the PostgreSQL JDBC driver),
+#     when run as root; otherwise names the missing ones and stops;
+#   - a virtualenv in .venv with pgcascade and its Python dependencies.
+# Re-running it is cheap: it only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DEB_PACKAGES=(postgresql-15 postgresql-client-15 openjdk-17-jre-headless libpostgresql-jdbc-java python3-venv)
+
+missing=()
+for p in "${DEB_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" -eq 0 ]; then
+    echo "install: installing Debian packages: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    # the server package must not start a cluster of its own: the tests and the demo start theirs
+    mkdir -p /etc/postgresql-common/createcluster.d
+    echo "create_main_cluster = false" > /etc/postgresql-common/createcluster.d/pgcascade.conf
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  else
+    echo "install: missing Debian packages: ${missing[*]} (run as root, or: sudo apt-get install ${missing[*]})" >&2
+    exit 2
+  fi
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.pgcascade-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e '.[dev]'
+  touch "$stamp"
+fi
+echo "install: ok (.venv/bin/pgcascade)"

@@ -1,0 +1,169 @@
+"""Throwaway local PostgreSQL clusters for the demo, the benchmarks and the tests.
+
+A cluster is `initdb` into a temporary directory, started with `pg_ctl` on a free loopback
+port with `wal_level=logical`. PostgreSQL refuses to run as root, so when we are root the
+server runs as the `postgres` OS user and its directory is handed to that user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psycopg
+
+DEFAULT_SETTINGS: dict[str, str] = {
+    "wal_level": "logical",
+    "max_wal_senders": "10",
+    "max_replication_slots": "10",
+    "max_connections": "200",
+    "listen_addresses": "'127.0.0.1'",
+    "shared_buffers": "128MB",
+    "log_line_prefix": "'%m [%p] %d '",
+    "log_min_messages": "warning",
+    "max_locks_per_transaction": "256",
+}
+FAST_UNSAFE_SETTINGS = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
+
+
+def pg_bindir() -> Path:
+    """The PostgreSQL server binaries: $PGCASCADE_PG_BIN, else Debian's PostgreSQL 15 location."""
+    env = os.environ.get("PGCASCADE_PG_BIN")
+    candidates = [Path(env)] if env else []
+    candidates += [Path("/usr/lib/postgresql/15/bin")]
+    candidates += sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)
+    for c in candidates:
+        if (c / "initdb").exists():
+            return c
+    raise RuntimeError("PostgreSQL server binaries not found: run scripts/install.sh or set PGCASCADE_PG_BIN")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _as_server_user() -> list[str]:
+    return ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+
+
+@dataclass
+class LocalCluster:
+    """One PostgreSQL cluster in a directory of its own, reachable on 127.0.0.1:port as `postgres`."""
+
+    name: str
+    basedir: Path
+    port: int = field(default_factory=free_port)
+    settings: dict[str, str] = field(default_factory=dict)
+    fast_unsafe: bool = True
+
+    @property
+    def datadir(self) -> Path:
+        return self.basedir / self.name
+
+    @property
+    def logfile(self) -> Path:
+        return self.basedir / f"{self.name}.log"
+
+    def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*_as_server_user(), *args], check=check, capture_output=True, text=True, timeout=120
+        )
+
+    def init(self) -> LocalCluster:
+        self.basedir.mkdir(parents=True, exist_ok=True)
+        if os.geteuid() == 0:
+            shutil.chown(self.basedir, "postgres", "postgres")
+            self.basedir.chmod(0o755)
+        self._run(
+            str(pg_bindir() / "initdb"),
+            "-D",
+            str(self.datadir),
+            "-U",
+            "postgres",
+            "--auth=trust",
+            "--encoding=UTF8",
+            "--locale=C.UTF-8",
+            "--no-sync",
+        )
+        conf = dict(DEFAULT_SETTINGS)
+        if self.fast_unsafe:
+            conf.update(FAST_UNSAFE_SETTINGS)
+        conf.update(self.settings)
+        conf["port"] = str(self.port)
+        conf["unix_socket_directories"] = f"'{self.basedir}'"
+        with (self.datadir / "postgresql.auto.conf").open("a") as f:
+            f.writelines(f"{k} = {v}\n" for k, v in conf.items())
+        return self
+
+    def start(self) -> LocalCluster:
+        self._run(
+            str(pg_bindir() / "pg_ctl"), "-D", str(self.datadir), "-l", str(self.logfile), "-w", "start"
+        )
+        return self
+
+    def stop(self, mode: str = "fast") -> None:
+        """Stop the server; mode `immediate` is a crash (no checkpoint), as after a power loss."""
+        self._run(str(pg_bindir() / "pg_ctl"), "-D", str(self.datadir), "-m", mode, "-w", "stop", check=False)
+
+    def restart(self, mode: str = "fast") -> None:
+        self.stop(mode)
+        self.start()
+
+    def is_running(self) -> bool:
+        r = self._run(str(pg_bindir() / "pg_ctl"), "-D", str(self.datadir), "status", check=False)
+        return r.returncode == 0
+
+    def connstr(self, dbname: str = "postgres") -> str:
+        return f"host=127.0.0.1 port={self.port} user=postgres dbname={dbname}"
+
+    def connect(self, dbname: str = "postgres", autocommit: bool = True) -> psycopg.Connection:
+        return psycopg.connect(self.connstr(dbname), autocommit=autocommit)
+
+    def create_database(self, dbname: str) -> str:
+        with self.connect() as conn:
+            conn.execute(f'CREATE DATABASE "{dbname}"')
+        return self.connstr(dbname)
+
+    def drop_database(self, dbname: str) -> None:
+        with self.connect() as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "".join(self.logfile.read_text(errors="replace").splitlines(True)[-lines:])
+        except OSError:
+            return ""
+
+    def destroy(self) -> None:
+        self.stop("immediate")
+        shutil.rmtree(self.datadir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            self.logfile.unlink()
+
+
+def new_cluster(name: str, basedir: Path | None = None, **kwargs: object) -> LocalCluster:
+    """initdb and start a cluster; basedir defaults to a fresh temporary directory."""
+    base = basedir or Path(tempfile.mkdtemp(prefix="pgcascade-"))
+    cluster = LocalCluster(name=name, basedir=base, **kwargs)  # type: ignore[arg-type]
+    cluster.init().start()
+    return cluster
+
+
+def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05, what: str = "condition") -> None:
+    """Poll `predicate` until it is true; raise TimeoutError naming `what` otherwise."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)

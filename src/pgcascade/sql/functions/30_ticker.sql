@@ -1,0 +1,88 @@
+-- pgcascade.make_tick(queue_id, tick_id, tick_time, event_seq) -> tick_id.
+-- Records pg_current_snapshot() as the tick.  The caller holds the queue row lock, so ticks of
+-- one queue are serialized and each snapshot is taken after the previous tick committed.
+-- NOTIFY pgcascade_tick (payload: queue name) wakes consumers at commit instead of polling.
+create or replace function pgcascade.make_tick(
+    q pgcascade.queue, i_tick_id int8, i_tick_time timestamptz, i_event_seq int8)
+returns int8
+language plpgsql as $$
+declare
+    v_last int8;
+    v_id int8;
+begin
+    select max(tick_id) into v_last from pgcascade.tick where tick_queue = q.queue_id;
+    v_id := coalesce(i_tick_id, coalesce(v_last, 0) + 1);
+    if v_id <= coalesce(v_last, 0) then
+        raise exception 'tick % for queue "%" is not after its last tick %', v_id, q.queue_name, v_last
+            using errcode = '22023';
+    end if;
+    insert into pgcascade.tick (tick_queue, tick_id, tick_time, tick_snapshot, tick_event_seq)
+    values (q.queue_id, v_id, coalesce(i_tick_time, now()), pg_current_snapshot(),
+            coalesce(i_event_seq, pg_sequence_last_value(q.queue_event_seq), 0));
+    perform pg_notify('pgcascade_tick', q.queue_name);
+    return v_id;
+end $$;
+
+-- pgcascade.ticker(queue_name) -> tick_id: make a tick now, whatever the thresholds.
+create or replace function pgcascade.ticker(i_queue_name text) returns int8
+language plpgsql as $$
+declare
+    q pgcascade.queue;
+begin
+    select * into q from pgcascade.queue where queue_name = i_queue_name for update;
+    if not found then
+        perform pgcascade.find_queue(i_queue_name);
+    end if;
+    if q.queue_external_ticker then
+        raise exception 'queue "%" takes its ticks from its provider (external_ticker)', i_queue_name
+            using errcode = '55000';
+    end if;
+    return pgcascade.make_tick(q, null, null, null);
+end $$;
+
+-- pgcascade.ticker(queue_name, tick_id, tick_time, event_seq) -> tick_id: a tick with a given id.
+-- Used by a cascade branch to repeat its provider's ticks; the id must follow the last one.
+create or replace function pgcascade.ticker(i_queue_name text, i_tick_id int8, i_tick_time timestamptz, i_event_seq int8)
+returns int8
+language plpgsql as $$
+declare
+    q pgcascade.queue;
+begin
+    if i_tick_id is null then
+        raise exception 'tick id must be given' using errcode = '22004';
+    end if;
+    select * into q from pgcascade.queue where queue_name = i_queue_name for update;
+    if not found then
+        perform pgcascade.find_queue(i_queue_name);
+    end if;
+    return pgcascade.make_tick(q, i_tick_id, i_tick_time, i_event_seq);
+end $$;
+
+-- pgcascade.ticker() -> number of ticks made: tick every queue that needs it.
+-- A queue needs a tick when events wait and (their count >= ticker_max_count or the last
+-- tick is older than ticker_max_lag), or when ticker_idle_period passed without a tick.
+create or replace function pgcascade.ticker() returns int4
+language plpgsql as $$
+declare
+    q pgcascade.queue;
+    n int4 := 0;
+    last_time timestamptz;
+    last_seq int8;
+    waiting int8;
+begin
+    for q in select * from pgcascade.queue
+              where not queue_ticker_paused and not queue_external_ticker
+              order by queue_id for update skip locked loop
+        select tick_time, tick_event_seq into last_time, last_seq
+          from pgcascade.tick where tick_queue = q.queue_id order by tick_id desc limit 1;
+        waiting := coalesce(pg_sequence_last_value(q.queue_event_seq), 0) - coalesce(last_seq, 0);
+        if last_time is null
+           or waiting >= q.queue_ticker_max_count
+           or (waiting > 0 and now() - last_time >= q.queue_ticker_max_lag)
+           or now() - last_time >= q.queue_ticker_idle_period then
+            perform pgcascade.make_tick(q, null, null, null);
+            n := n + 1;
+        end if;
+    end loop;
+    return n;
+end $$;

@@ -1,0 +1,139 @@
+-- pgcascade.next_batch_info(queue, consumer) -> the consumer's open batch, opening the next one.
+--   batch_id            null when no tick follows the consumer's position yet
+--   cur_tick_id, prev_tick_id, cur_tick_time, prev_tick_time, cur_tick_event_seq, prev_tick_event_seq
+-- A batch spans exactly one tick interval, so every node of a cascade cuts identical batches.
+-- Calling it again before finish_batch returns the same batch (a consumer that crashed
+-- resumes the batch it had).
+create or replace function pgcascade.next_batch_info(
+    i_queue_name text, i_consumer text,
+    out batch_id int8, out cur_tick_id int8, out prev_tick_id int8,
+    out cur_tick_time timestamptz, out prev_tick_time timestamptz,
+    out cur_tick_event_seq int8, out prev_tick_event_seq int8)
+language plpgsql as $$
+declare
+    s pgcascade.subscription;
+    v_next int8;
+begin
+    s := pgcascade.find_subscription(i_queue_name, i_consumer, true);
+    if s.sub_batch is null then
+        select t.tick_id into v_next from pgcascade.tick t
+         where t.tick_queue = s.sub_queue and t.tick_id > s.sub_last_tick
+         order by t.tick_id limit 1;
+        if v_next is not null then
+            s.sub_batch := nextval('pgcascade.batch_id_seq');
+            s.sub_next_tick := v_next;
+            update pgcascade.subscription set sub_batch = s.sub_batch, sub_next_tick = v_next, sub_active = now()
+             where sub_id = s.sub_id;
+        else
+            update pgcascade.subscription set sub_active = now() where sub_id = s.sub_id;
+        end if;
+    end if;
+    batch_id := s.sub_batch;
+    prev_tick_id := s.sub_last_tick;
+    cur_tick_id := s.sub_next_tick;
+    select t.tick_time, t.tick_event_seq into prev_tick_time, prev_tick_event_seq
+      from pgcascade.tick t where t.tick_queue = s.sub_queue and t.tick_id = s.sub_last_tick;
+    if not found then
+        raise exception 'tick % of consumer "%" on queue "%" no longer exists', s.sub_last_tick, i_consumer, i_queue_name;
+    end if;
+    if cur_tick_id is not null then
+        select t.tick_time, t.tick_event_seq into cur_tick_time, cur_tick_event_seq
+          from pgcascade.tick t where t.tick_queue = s.sub_queue and t.tick_id = cur_tick_id;
+    end if;
+end $$;
+
+-- pgcascade.next_batch(queue, consumer) -> batch_id, or null when there is no new tick.
+create or replace function pgcascade.next_batch(i_queue_name text, i_consumer text) returns int8
+language sql as $$ select batch_id from pgcascade.next_batch_info(i_queue_name, i_consumer) $$;
+
+-- pgcascade.get_batch_info(batch_id) -> what the batch spans.
+create or replace function pgcascade.get_batch_info(
+    i_batch_id int8,
+    out queue_name text, out consumer_name text,
+    out prev_tick_id int8, out tick_id int8,
+    out prev_tick_time timestamptz, out tick_time timestamptz, out lag interval,
+    out prev_event_seq int8, out event_seq int8)
+language plpgsql as $$
+begin
+    select q.queue_name, c.co_name, s.sub_last_tick, s.sub_next_tick,
+           pt.tick_time, ct.tick_time, now() - ct.tick_time, pt.tick_event_seq, ct.tick_event_seq
+      into queue_name, consumer_name, prev_tick_id, tick_id, prev_tick_time, tick_time, lag,
+           prev_event_seq, event_seq
+      from pgcascade.subscription s
+      join pgcascade.queue q on q.queue_id = s.sub_queue
+      join pgcascade.consumer c on c.co_id = s.sub_consumer
+      join pgcascade.tick pt on pt.tick_queue = s.sub_queue and pt.tick_id = s.sub_last_tick
+      join pgcascade.tick ct on ct.tick_queue = s.sub_queue and ct.tick_id = s.sub_next_tick
+     where s.sub_batch = i_batch_id;
+    if not found then
+        raise exception 'batch % is not open (finished already, or never existed)', i_batch_id
+            using errcode = 'P0002';
+    end if;
+end $$;
+
+-- pgcascade.batch_event_sql(batch_id) -> the SELECT that returns the batch's events, ordered by ev_id.
+-- An event belongs to the batch when its transaction is visible in the batch's closing tick
+-- snapshot and not in the opening one.  Not visible in the opening snapshot means: txid at or
+-- above its xmax, or in its in-progress list - two index range scans on ev_txid, however
+-- long-running the oldest open transaction is.  Every partition of the queue is read, so a
+-- writer that still used the previous partition after a rotation is never missed.
+create or replace function pgcascade.batch_event_sql(i_batch_id int8) returns text
+language plpgsql as $$
+declare
+    s pgcascade.subscription;
+    prev_snap pg_snapshot;
+    cur_snap pg_snapshot;
+    cols text;
+    cond text;
+    sql text;
+    xip xid8[];
+begin
+    select * into s from pgcascade.subscription where sub_batch = i_batch_id;
+    if not found then
+        raise exception 'batch % is not open (finished already, or never existed)', i_batch_id
+            using errcode = 'P0002';
+    end if;
+    select tick_snapshot into prev_snap from pgcascade.tick where tick_queue = s.sub_queue and tick_id = s.sub_last_tick;
+    select tick_snapshot into cur_snap from pgcascade.tick where tick_queue = s.sub_queue and tick_id = s.sub_next_tick;
+    cols := 'ev_id, ev_time, ev_txid::text::int8 as ev_txid, (ev_rare).ev_retry as ev_retry, ev_type, ev_data,'
+         || ' ev_extra1, (ev_rare).ev_extra2 as ev_extra2, (ev_rare).ev_extra3 as ev_extra3,'
+         || ' (ev_rare).ev_extra4 as ev_extra4 from pgcascade.event';
+    cond := format(' ev_part >= %s and ev_part < %s', s.sub_queue * 16, s.sub_queue * 16 + 16)
+         || format(' and pg_visible_in_snapshot(ev_txid, %L::pg_snapshot)', cur_snap)
+         || format(' and (ev_rare is null or (ev_rare).ev_owner is null or (ev_rare).ev_owner = %s)', s.sub_id);
+    sql := format('select %s where %s and ev_txid >= %L::xid8 and ev_txid < %L::xid8',
+                  cols, cond, pg_snapshot_xmax(prev_snap), pg_snapshot_xmax(cur_snap));
+    select array_agg(x) into xip from pg_snapshot_xip(prev_snap) x;
+    if xip is not null then
+        sql := sql || format(' union all select %s where %s and ev_txid = any(%L::xid8[])', cols, cond, xip);
+    end if;
+    return sql || ' order by 1';
+end $$;
+
+-- pgcascade.get_batch_events(batch_id) -> setof events (ev_id, ev_time, ev_txid, ev_retry, ev_type,
+-- ev_data, ev_extra1..4), as PgQ returns them.  The Python API streams batch_event_sql()
+-- through a server-side cursor instead, so a huge batch is never materialized.
+create or replace function pgcascade.get_batch_events(
+    i_batch_id int8,
+    out ev_id int8, out ev_time timestamptz, out ev_txid int8, out ev_retry int4, out ev_type text,
+    out ev_data text, out ev_extra1 text, out ev_extra2 text, out ev_extra3 text, out ev_extra4 text)
+returns setof record
+language plpgsql as $$
+begin
+    return query execute pgcascade.batch_event_sql(i_batch_id);
+end $$;
+
+-- pgcascade.finish_batch(batch_id) -> 1: the consumer has processed the batch; it moves to
+-- the batch's closing tick.  Finishing a batch that is not open is an error.
+create or replace function pgcascade.finish_batch(i_batch_id int8) returns int4
+language plpgsql as $$
+begin
+    update pgcascade.subscription
+       set sub_last_tick = sub_next_tick, sub_next_tick = null, sub_batch = null, sub_active = now()
+     where sub_batch = i_batch_id;
+    if not found then
+        raise exception 'batch % is not open (finished already, or never existed)', i_batch_id
+            using errcode = 'P0002';
+    end if;
+    return 1;
+end $$;
