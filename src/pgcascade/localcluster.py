@@ -28,6 +28,7 @@ DEFAULT_SETTINGS: dict[str, str] = {
     "shared_buffers": "128MB",
     "log_line_prefix": "'%m [%p] %d '",
     "log_min_messages": "warning",
+    "log_checkpoints": "off",
     "max_locks_per_transaction": "256",
 }
 FAST_UNSAFE_SETTINGS = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
@@ -74,15 +75,21 @@ class LocalCluster:
         return self.basedir / f"{self.name}.log"
 
     def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [*_as_server_user(), *args], check=check, capture_output=True, text=True, timeout=120
-        )
+        r = subprocess.run([*_as_server_user(), *args], capture_output=True, text=True, timeout=120)
+        if check and r.returncode != 0:
+            msg = (r.stderr or r.stdout).strip().splitlines()
+            raise RuntimeError(f"{Path(args[0]).name} failed: {msg[-1] if msg else r.returncode}")
+        return r
 
     def init(self) -> LocalCluster:
         self.basedir.mkdir(parents=True, exist_ok=True)
         if os.geteuid() == 0:
+            # the server runs as `postgres`: it must own its directory and reach it
             shutil.chown(self.basedir, "postgres", "postgres")
             self.basedir.chmod(0o755)
+            for parent in self.basedir.parents:
+                if parent.stat().st_uid == 0 and str(parent).startswith(tempfile.gettempdir() + "/"):
+                    parent.chmod(parent.stat().st_mode | 0o711)
         self._run(
             str(pg_bindir() / "initdb"),
             "-D",

@@ -170,6 +170,7 @@ class Consumer:
         self.consumer = consumer
         self.fetch_size = fetch_size
         self._conn: psycopg.Connection | None = None
+        self.stopping = False
 
     @property
     def conn(self) -> psycopg.Connection:
@@ -210,8 +211,12 @@ class Consumer:
             pass
 
     def run(self, max_idle: float = 1.0, stop_after: float | None = None) -> None:
-        """Process batches until `stop_after` seconds have passed (forever when None)."""
+        """Process batches until `stop()` or until `stop_after` seconds have passed."""
         deadline = None if stop_after is None else time.monotonic() + stop_after
-        while deadline is None or time.monotonic() < deadline:
+        while not self.stopping and (deadline is None or time.monotonic() < deadline):
             if self.run_once() is None:
                 self.wait_for_tick(max_idle)
+
+    def stop(self) -> None:
+        """Make `run()` return after the batch in hand (callable from another thread)."""
+        self.stopping = True

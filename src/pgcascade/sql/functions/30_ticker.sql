@@ -1,7 +1,31 @@
+-- pgcascade.tick_snapshot() -> pg_current_snapshot(), but with the calling transaction visible.
+-- A snapshot never shows its own transaction as visible when its xid is at or past the
+-- snapshot's xmax (xmax is the latest completed xid + 1).  Every xid from xmax up to our own
+-- has not completed either, so listing them as in progress and moving xmax past our xid is
+-- exact: it changes the visibility of our own transaction and nothing else.
+create or replace function pgcascade.tick_snapshot() returns pg_snapshot
+language plpgsql as $$
+declare
+    snap pg_snapshot := pg_current_snapshot();
+    own xid8 := pg_current_xact_id_if_assigned();
+    xmax int8 := pg_snapshot_xmax(snap)::text::int8;
+    own_n int8 := own::text::int8;
+begin
+    if own is null or own_n < xmax then
+        return snap;
+    end if;
+    return format('%s:%s:%s', pg_snapshot_xmin(snap), own_n + 1,
+                  (select string_agg(x::text, ',' order by x)
+                     from (select t::text::int8 as x from pg_snapshot_xip(snap) t
+                           union all select generate_series(xmax, own_n - 1)) xs))::pg_snapshot;
+end $$;
+
 -- pgcascade.make_tick(queue_id, tick_id, tick_time, event_seq) -> tick_id.
 -- Records pg_current_snapshot() as the tick.  The caller holds the queue row lock, so ticks of
 -- one queue are serialized and each snapshot is taken after the previous tick committed.
 -- NOTIFY pgcascade_tick (payload: queue name) wakes consumers at commit instead of polling.
+-- The tick counts its own transaction as committed (see tick_snapshot), so events inserted
+-- in the same transaction as the tick - a cascade branch copying a batch - are in it.
 create or replace function pgcascade.make_tick(
     q pgcascade.queue, i_tick_id int8, i_tick_time timestamptz, i_event_seq int8)
 returns int8
@@ -17,7 +41,7 @@ begin
             using errcode = '22023';
     end if;
     insert into pgcascade.tick (tick_queue, tick_id, tick_time, tick_snapshot, tick_event_seq)
-    values (q.queue_id, v_id, coalesce(i_tick_time, now()), pg_current_snapshot(),
+    values (q.queue_id, v_id, coalesce(i_tick_time, now()), pgcascade.tick_snapshot(),
             coalesce(i_event_seq, pg_sequence_last_value(q.queue_event_seq), 0));
     perform pg_notify('pgcascade_tick', q.queue_name);
     return v_id;

@@ -1,0 +1,3 @@
+from pgcascade.cli import main
+
+main()

@@ -1,0 +1,197 @@
+"""The daemon base every long-running pgcascade process uses (ticker, worker, copy).
+
+A subclass implements `work() -> bool` (True: there may be more to do at once; False: sleep
+`loop_delay` or until `wake_up()`).  The base owns what every daemon needs and what Skytools
+daemons do: a pidfile that refuses a second copy, `-d` (detach), signals (SIGINT: stop after
+the current unit of work, `-s`; SIGTERM: stop now, `-k`; SIGHUP: reload, `-r`), logging to the
+logfile, and a back-off after errors so a database restart does not become a tight loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from pgcascade.config import JobConfig
+from pgcascade.errors import RuntimeFailure, UserError, redact
+
+log = logging.getLogger("pgcascade")
+
+LOG_FORMAT = "%(asctime)s %(process)d %(levelname)s %(message)s"
+
+
+class RedactingFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))
+
+
+def setup_logging(logfile: Path | None, verbose: bool = False, quiet: bool = False, to_stderr: bool = True) -> None:
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    fmt = RedactingFormatter(LOG_FORMAT)
+    if to_stderr and not quiet:
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(fmt)
+        root.addHandler(h)
+    if logfile:
+        logfile.parent.mkdir(parents=True, exist_ok=True)
+        fh = logging.FileHandler(logfile)
+        fh.setFormatter(fmt)
+        root.addHandler(fh)
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    logging.getLogger("psycopg").setLevel(logging.WARNING)
+
+
+def read_pid(pidfile: Path) -> int | None:
+    try:
+        return int(pidfile.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError as e:
+        return e.errno == errno.EPERM
+    # a zombie child of ours still answers kill(0); reap it if it is one
+    with contextlib.suppress(ChildProcessError):
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done == pid:
+            return False
+    return True
+
+
+def signal_daemon(cfg: JobConfig, sig: signal.Signals, wait: float = 30.0) -> int:
+    """Send `sig` to the job's running daemon (from its pidfile); for stop signals wait until it exits."""
+    if cfg.pidfile is None:
+        raise UserError(f"{cfg.path}: pidfile is not set, so the running daemon cannot be found")
+    pid = read_pid(cfg.pidfile)
+    if pid is None or not pid_alive(pid):
+        raise RuntimeFailure(f"{cfg.job_name} is not running (no live process in {cfg.pidfile})")
+    os.kill(pid, sig)
+    if sig in (signal.SIGINT, signal.SIGTERM):
+        deadline = time.monotonic() + wait
+        while pid_alive(pid):
+            if time.monotonic() > deadline:
+                raise RuntimeFailure(f"{cfg.job_name} (pid {pid}) did not stop within {wait:.0f}s")
+            time.sleep(0.05)
+    return pid
+
+
+def daemonize() -> None:
+    """Detach from the terminal: double fork, new session, stdio to /dev/null."""
+    if os.fork() > 0:
+        os._exit(0)
+    os.setsid()
+    if os.fork() > 0:
+        os._exit(0)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+
+
+class Daemon:
+    """Base of the daemons: subclass, implement `work()`, call `start()`."""
+
+    name = "daemon"
+
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        self.stop_requested = False  # SIGINT: finish the current unit of work, then exit
+        self.reload_requested = False
+        self.loop_delay = cfg.loop_delay
+        self.error_backoff = 0.0
+
+    # --- to implement ---
+    def work(self) -> bool:
+        raise NotImplementedError
+
+    def reload(self) -> None:
+        """Re-read what may change at run time (called on SIGHUP)."""
+
+    def shutdown(self) -> None:
+        """Release resources before exit."""
+
+    def sleep(self, seconds: float) -> None:
+        """Wait between rounds; a subclass may wait on LISTEN instead."""
+        time.sleep(seconds)
+
+    # --- lifecycle ---
+    def start(self, detach: bool = False) -> int:
+        if detach:
+            if not self.cfg.logfile or not self.cfg.pidfile:
+                raise UserError(f"{self.cfg.path}: -d needs logfile and pidfile in the config")
+            daemonize()
+            setup_logging(self.cfg.logfile, to_stderr=False)
+        self._take_pidfile()
+        try:
+            self._install_signals()
+            log.info("%s %s starting (pid %d)", self.name, self.cfg.job_name, os.getpid())
+            self.run_loop()
+            log.info("%s %s stopped", self.name, self.cfg.job_name)
+            return 0
+        finally:
+            self.shutdown()
+            self._release_pidfile()
+
+    def run_loop(self) -> None:
+        while not self.stop_requested:
+            if self.reload_requested:
+                self.reload_requested = False
+                log.info("reloading config %s", self.cfg.path)
+                self.reload()
+            try:
+                busy = self.work()
+                self.error_backoff = 0.0
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except Exception as e:
+                self.error_backoff = min(max(self.error_backoff * 2, 1.0), 30.0)
+                log.error("%s: %s (retrying in %.0fs)", type(e).__name__, redact(str(e)).strip(), self.error_backoff)
+                log.debug("traceback", exc_info=True)
+                self.sleep(self.error_backoff)
+                continue
+            if not busy and not self.stop_requested:
+                self.sleep(self.loop_delay)
+
+    def _install_signals(self) -> None:
+        def graceful(_sig, _frm):
+            log.info("stop requested: finishing the current work")
+            self.stop_requested = True
+
+        def hard(_sig, _frm):
+            log.info("kill requested: exiting now")
+            raise SystemExit(1)
+
+        def hup(_sig, _frm):
+            self.reload_requested = True
+
+        signal.signal(signal.SIGINT, graceful)
+        signal.signal(signal.SIGTERM, hard)
+        signal.signal(signal.SIGHUP, hup)
+
+    def _take_pidfile(self) -> None:
+        pf = self.cfg.pidfile
+        if pf is None:
+            return
+        pid = read_pid(pf)
+        if pid is not None and pid != os.getpid() and pid_alive(pid):
+            raise RuntimeFailure(f"{self.cfg.job_name} is already running (pid {pid}, {pf})")
+        pf.parent.mkdir(parents=True, exist_ok=True)
+        tmp = pf.with_suffix(pf.suffix + ".tmp")
+        tmp.write_text(f"{os.getpid()}\n")
+        tmp.replace(pf)
+
+    def _release_pidfile(self) -> None:
+        pf = self.cfg.pidfile
+        if pf is not None and read_pid(pf) == os.getpid():
+            with contextlib.suppress(OSError):
+                pf.unlink()

@@ -1,0 +1,193 @@
+"""The ticker daemon (pgqd's job): ticks and queue maintenance for many databases.
+
+For every database it serves it asks `pgcascade.ticker()` every `ticker_period` to tick the
+queues that need it (the thresholds live in each queue's row), moves due retry events back
+every `retry_period`, runs what `pgcascade.maint_operations()` lists (rotation, tick cleanup)
+every `maint_period`, and VACUUMs the small queue tables every `vacuum_period`.  Each call
+is a transaction of its own.  A database that goes away is retried with back-off; the others
+are served meanwhile.  Maintenance that did something is logged, one line per action.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import psycopg
+from psycopg import sql
+
+from pgcascade.config import JobConfig
+from pgcascade.daemon import Daemon
+from pgcascade.errors import db_error_line
+
+log = logging.getLogger("pgcascade.ticker")
+
+
+def conninfo_for(base: str, dbname: str) -> str:
+    return psycopg.conninfo.make_conninfo(base, dbname=dbname)
+
+
+@dataclass
+class DatabaseTicker:
+    """The ticker's state for one database."""
+
+    name: str
+    connstr: str
+    conn: psycopg.Connection | None = None
+    down_since: float | None = None
+    retry_at: float = 0.0
+    backoff: float = 0.0
+    next_retry: float = 0.0
+    next_maint: float = 0.0
+    next_vacuum: float = 0.0
+    ticks: int = 0
+
+    def connect(self) -> psycopg.Connection:
+        if self.conn is None or self.conn.closed:
+            self.conn = psycopg.connect(self.connstr, autocommit=True, connect_timeout=5)
+            self.conn.execute("set application_name = 'pgcascade ticker'")
+            if self.down_since is not None:
+                log.info("db %s: connected again after %.1fs", self.name, time.monotonic() - self.down_since)
+            self.down_since = None
+            self.backoff = 0.0
+        return self.conn
+
+    def lost(self, err: Exception) -> None:
+        now = time.monotonic()
+        if self.down_since is None:
+            self.down_since = now
+            log.warning("db %s: %s; retrying", self.name, db_error_line(err) if isinstance(err, psycopg.Error) else err)
+        self.backoff = min(max(self.backoff * 2, 0.5), 10.0)
+        self.retry_at = now + self.backoff
+        if self.conn is not None:
+            self.conn.close()
+        self.conn = None
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+
+class Ticker(Daemon):
+    name = "ticker"
+
+    def __init__(self, cfg: JobConfig):
+        super().__init__(cfg)
+        self.dbs: dict[str, DatabaseTicker] = {}
+        self.next_discover = 0.0
+        self.reload()
+
+    def reload(self) -> None:
+        self.settings = self.cfg.ticker
+        self.loop_delay = self.settings.ticker_period
+        self.next_discover = 0.0
+
+    # --- which databases ---
+    def configured_databases(self) -> dict[str, str] | None:
+        """name -> connstr of the databases named in the config, or None to discover them."""
+        if self.cfg.database_list:
+            return {d: conninfo_for(self.cfg.base_connstr, d) for d in self.cfg.database_list}
+        if self.cfg.db:
+            dbname = psycopg.conninfo.conninfo_to_dict(self.cfg.db).get("dbname", "db")
+            return {str(dbname): self.cfg.db}
+        return None
+
+    def discover(self) -> dict[str, str]:
+        """Every database of the server (through initial_database) that has pgcascade installed."""
+        found: dict[str, str] = {}
+        with psycopg.connect(
+            conninfo_for(self.cfg.base_connstr, self.cfg.initial_database), autocommit=True, connect_timeout=5
+        ) as conn:
+            names = [r[0] for r in conn.execute("select datname from pg_database where datallowconn order by 1")]
+        for name in names:
+            cs = conninfo_for(self.cfg.base_connstr, name)
+            try:
+                with psycopg.connect(cs, autocommit=True, connect_timeout=5) as c:
+                    if c.execute("select to_regclass('pgcascade.queue') is not null").fetchone()[0]:
+                        found[name] = cs
+            except psycopg.Error:
+                continue
+        return found
+
+    def refresh_databases(self, now: float) -> None:
+        if now < self.next_discover:
+            return
+        wanted = self.configured_databases()
+        if wanted is None:
+            try:
+                wanted = self.discover()
+            except psycopg.Error as e:
+                log.warning("database discovery failed: %s", db_error_line(e))
+                self.next_discover = now + min(self.settings.discover_period, 5.0)
+                return
+            self.next_discover = now + self.settings.discover_period
+        else:
+            self.next_discover = float("inf")
+        for name in set(self.dbs) - set(wanted):
+            log.info("db %s: no longer served", name)
+            self.dbs.pop(name).close()
+        for name, cs in wanted.items():
+            if name not in self.dbs:
+                log.info("db %s: serving", name)
+                self.dbs[name] = DatabaseTicker(name, cs)
+
+    # --- the work ---
+    def work(self) -> bool:
+        now = time.monotonic()
+        self.refresh_databases(now)
+        for db in list(self.dbs.values()):
+            if self.stop_requested:
+                break
+            if db.retry_at > now:
+                continue
+            try:
+                self.serve(db, now)
+            except psycopg.OperationalError as e:
+                db.lost(e)
+            except psycopg.Error as e:
+                log.error("db %s: %s", db.name, db_error_line(e))
+                db.lost(e)
+        return False
+
+    def serve(self, db: DatabaseTicker, now: float) -> None:
+        conn = db.connect()
+        n = conn.execute("select pgcascade.ticker()").fetchone()[0]
+        db.ticks += n
+        if now >= db.next_retry:
+            db.next_retry = now + self.settings.retry_period
+            moved = conn.execute("select pgcascade.maint_retry_events()").fetchone()[0]
+            if moved:
+                log.info("db %s: maint_retry_events: %d events back in their queues", db.name, moved)
+        if now >= db.next_maint:
+            db.next_maint = now + self.settings.maint_period
+            self.maintain(db, conn)
+        if now >= db.next_vacuum:
+            db.next_vacuum = now + self.settings.vacuum_period
+            self.vacuum(db, conn)
+
+    def maintain(self, db: DatabaseTicker, conn: psycopg.Connection) -> None:
+        ops = conn.execute("select func_name, func_arg from pgcascade.maint_operations()").fetchall()
+        for func, arg in ops:
+            if func == "pgcascade.maint_retry_events":
+                continue  # on its own, faster schedule
+            schema, fname = func.split(".", 1)
+            call = sql.SQL("select {}({})").format(
+                sql.Identifier(schema, fname), sql.Literal(arg) if arg is not None else sql.SQL("")
+            )
+            result = conn.execute(call).fetchone()[0]
+            if result:
+                log.info("db %s: %s(%s): %s", db.name, fname, arg or "", result)
+
+    def vacuum(self, db: DatabaseTicker, conn: psycopg.Connection) -> None:
+        tables = [r[0] for r in conn.execute("select pgcascade.maint_tables_to_vacuum()")]
+        started = time.monotonic()
+        for t in tables:
+            schema, name = t.split(".", 1)
+            conn.execute(sql.SQL("vacuum {}").format(sql.Identifier(schema, name)))
+        log.info("db %s: vacuum of %d queue tables: %.2fs", db.name, len(tables), time.monotonic() - started)
+
+    def shutdown(self) -> None:
+        for db in self.dbs.values():
+            db.close()

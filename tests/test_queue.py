@@ -1,0 +1,419 @@
+"""The queue's semantics on a real server: batches, snapshots, rotation, retry, errors.
+
+Expected results are computed from what the test itself committed (event ids returned by
+insert_event in transactions that committed), never from the queue's own bookkeeping.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import tracemalloc
+from collections import Counter
+
+import psycopg
+import pytest
+
+from pgcascade import queue as q
+
+Q = "testq"
+
+
+def consume_all(conn: psycopg.Connection, queue: str, consumer: str) -> list[tuple[int, dict]]:
+    """Finish every available batch with the SQL API; returns (batch_id, event row) pairs."""
+    out = []
+    while True:
+        batch = conn.execute("select pgcascade.next_batch(%s, %s)", (queue, consumer)).fetchone()[0]
+        if batch is None:
+            return out
+        with conn.cursor(row_factory=psycopg.rows.dict_row) as cur:
+            for ev in cur.execute("select * from pgcascade.get_batch_events(%s)", (batch,)):
+                out.append((batch, ev))
+        conn.execute("select pgcascade.finish_batch(%s)", (batch,))
+
+
+@pytest.fixture
+def qdb(db):
+    with db.connect() as conn:
+        q.create_queue(conn, Q)
+        q.register_consumer(conn, Q, "c1")
+    return db
+
+
+def test_events_arrive_once_in_order_with_fields(qdb):
+    with qdb.connect() as conn:
+        ids = [q.insert_event(conn, Q, "t1", "d1"), q.insert_event(conn, Q, "t2", None, "e1", "e2", "e3", "e4")]
+        with conn.transaction():
+            ids.append(q.insert_event(conn, Q, "t3", "it's \\ \"quoted\"\nnewline ünïcode"))
+        q.ticker(conn, Q)
+        got = consume_all(conn, Q, "c1")
+        assert [ev["ev_id"] for _, ev in got] == ids
+        assert got[1][1]["ev_data"] is None
+        assert [got[1][1][f"ev_extra{i}"] for i in range(1, 5)] == ["e1", "e2", "e3", "e4"]
+        assert got[2][1]["ev_data"] == "it's \\ \"quoted\"\nnewline ünïcode"
+        assert got[0][1]["ev_retry"] is None and got[0][1]["ev_type"] == "t1"
+        assert consume_all(conn, Q, "c1") == []  # nothing twice
+
+
+def test_open_batch_is_returned_again_until_finished(qdb):
+    with qdb.connect() as conn:
+        q.insert_event(conn, Q, "t", "x")
+        q.ticker(conn, Q)
+        b1 = conn.execute("select pgcascade.next_batch(%s, 'c1')", (Q,)).fetchone()[0]
+        b2 = conn.execute("select pgcascade.next_batch(%s, 'c1')", (Q,)).fetchone()[0]
+        assert b1 == b2 is not None
+        info = conn.execute("select * from pgcascade.get_batch_info(%s)", (b1,)).fetchone()
+        assert info[0] == Q and info[1] == "c1"
+        conn.execute("select pgcascade.finish_batch(%s)", (b1,))
+        assert conn.execute("select pgcascade.next_batch(%s, 'c1')", (Q,)).fetchone()[0] is None
+
+
+def test_consumer_sees_only_events_after_it_registered(qdb):
+    with qdb.connect() as conn:
+        q.insert_event(conn, Q, "t", "before")
+        q.ticker(conn, Q)
+        q.register_consumer(conn, Q, "late")
+        q.insert_event(conn, Q, "t", "after")
+        q.ticker(conn, Q)
+        assert [ev["ev_data"] for _, ev in consume_all(conn, Q, "late")] == ["after"]
+        assert [ev["ev_data"] for _, ev in consume_all(conn, Q, "c1")] == ["before", "after"]
+
+
+def test_batches_under_concurrent_writers_lose_and_split_nothing(qdb):
+    """10k transactions from 4 connections while ticks fall at random: each committed event is
+    delivered exactly once, each transaction whole in one batch, rolled-back ones never."""
+    committed: dict[int, int] = {}  # ev_id -> writer's transaction number
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def writer(wid: int) -> None:
+        with qdb.connect(autocommit=False) as conn:
+            for t in range(2500):
+                n = random.randint(1, 4)
+                ids = [q.insert_event(conn, Q, "w", f"{wid}:{t}:{i}") for i in range(n)]
+                if t % 17 == 0:
+                    conn.rollback()
+                    continue
+                conn.commit()
+                with lock:
+                    committed.update(dict.fromkeys(ids, wid * 100000 + t))
+
+    def ticker() -> None:
+        with qdb.connect() as conn:
+            while not stop.is_set():
+                q.ticker(conn, Q)
+                time.sleep(random.uniform(0, 0.01))
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
+    tick_thread = threading.Thread(target=ticker)
+    tick_thread.start()
+    delivered: list[tuple[int, dict]] = []
+    with qdb.connect() as conn:
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            delivered += consume_all(conn, Q, "c1")
+            time.sleep(0.005)
+        stop.set()
+        tick_thread.join()
+        q.ticker(conn, Q)
+        delivered += consume_all(conn, Q, "c1")
+
+    ids = [ev["ev_id"] for _, ev in delivered]
+    dupes = [i for i, n in Counter(ids).items() if n > 1]
+    assert not dupes, f"delivered twice: {dupes[:10]}"
+    assert set(ids) == set(committed), (
+        f"missing {len(set(committed) - set(ids))}, unexpected {len(set(ids) - set(committed))}"
+    )
+    batches_of_txn: dict[int, set[int]] = {}
+    for batch, ev in delivered:
+        batches_of_txn.setdefault(committed[ev["ev_id"]], set()).add(batch)
+    split = {t: b for t, b in batches_of_txn.items() if len(b) > 1}
+    assert not split, f"transactions split across batches: {list(split.items())[:5]}"
+    assert len({b for b, _ in delivered}) > 20, "the test should have seen many batches"
+
+
+def test_long_transaction_is_delivered_whole_in_the_batch_after_its_commit(qdb):
+    with qdb.connect() as conn, qdb.connect(autocommit=False) as long_tx:
+        long_ids = [q.insert_event(long_tx, Q, "long", f"l{i}") for i in range(50)]
+        for i in range(5):  # several ticks and batches while it is open
+            q.insert_event(conn, Q, "short", f"s{i}")
+            q.ticker(conn, Q)
+            got = consume_all(conn, Q, "c1")
+            assert [ev["ev_data"] for _, ev in got] == [f"s{i}"]
+        long_tx.commit()
+        q.insert_event(conn, Q, "short", "after")
+        tick_after_commit = q.ticker(conn, Q)
+        got = consume_all(conn, Q, "c1")
+        assert sorted(ev["ev_id"] for _, ev in got if ev["ev_type"] == "long") == long_ids
+        assert len({b for b, _ in got}) == 1
+        assert conn.execute(
+            "select last_tick from pgcascade.get_consumer_info(%s, 'c1')", (Q,)
+        ).fetchone()[0] == tick_after_commit
+
+
+def rotate(conn: psycopg.Connection, queue: str) -> int:
+    return conn.execute("select pgcascade.maint_rotate_tables(%s)", (queue,)).fetchone()[0]
+
+
+def event_rows(conn: psycopg.Connection, queue: str) -> int:
+    qid = conn.execute("select queue_id from pgcascade.queue where queue_name = %s", (queue,)).fetchone()[0]
+    return conn.execute(
+        "select count(*) from pgcascade.event where ev_part >= %s and ev_part < %s", (qid * 16, qid * 16 + 16)
+    ).fetchone()[0]
+
+
+def test_rotation_under_load_loses_nothing(qdb):
+    with qdb.connect() as conn:
+        q.set_queue_config(conn, Q, "rotation_period", "0")
+    committed: list[int] = []
+    stop = threading.Event()
+
+    def writer() -> None:
+        with qdb.connect(autocommit=False) as conn:
+            while not stop.is_set():
+                committed.extend(q.insert_event(conn, Q, "w", "x") for _ in range(random.randint(1, 20)))
+                conn.commit()
+
+    def rotator(counts: list[int]) -> None:
+        with qdb.connect() as conn:
+            while not stop.is_set():
+                q.ticker(conn, Q)
+                counts.append(rotate(conn, Q))
+                time.sleep(0.01)
+
+    rotations: list[int] = []
+    threads = [threading.Thread(target=writer) for _ in range(2)] + [threading.Thread(target=rotator, args=(rotations,))]
+    delivered: list[int] = []
+    with qdb.connect() as conn:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline:
+            delivered += [ev["ev_id"] for _, ev in consume_all(conn, Q, "c1")]
+        stop.set()
+        for t in threads:
+            t.join()
+        q.ticker(conn, Q)
+        delivered += [ev["ev_id"] for _, ev in consume_all(conn, Q, "c1")]
+    assert sum(rotations) >= 6, f"only {sum(rotations)} rotations happened"
+    assert len(delivered) == len(set(delivered)), "an event was delivered twice"
+    assert sorted(delivered) == sorted(committed)
+
+
+def test_stalled_consumer_holds_rotation_and_shows_lag(qdb):
+    with qdb.connect() as conn:
+        q.register_consumer(conn, Q, "stalled")
+        q.set_queue_config(conn, Q, "rotation_period", "0")
+        ids = [q.insert_event(conn, Q, "t", f"e{i}") for i in range(100)]
+        q.ticker(conn, Q)
+        consume_all(conn, Q, "c1")
+        # the slot holding the events is the current one; rotation may move off it (slots 1, 2)
+        # but never truncate it while "stalled" has not passed its events
+        results = [rotate(conn, Q) for _ in range(6)]
+        assert results[:2] == [1, 1] and results[2:] == [0, 0, 0, 0], results
+        assert event_rows(conn, Q) == 100
+        time.sleep(0.2)
+        info = {r["consumer_name"]: r for r in q.consumer_info(conn, Q)}
+        assert info["stalled"]["pending_events"] == 100
+        assert info["stalled"]["lag"].total_seconds() >= 0.2
+        assert info["stalled"]["lag"] > info["c1"]["lag"]
+        # the stalled consumer still gets every event, then rotation goes on and empties the slot
+        assert sorted(ev["ev_id"] for _, ev in consume_all(conn, Q, "stalled")) == ids
+        assert rotate(conn, Q) == 1
+        assert event_rows(conn, Q) == 0
+
+
+def test_watermark_registration_holds_rotation_until_moved(qdb):
+    with qdb.connect() as conn:
+        start_tick = conn.execute("select last_tick_id from pgcascade.get_queue_info(%s)", (Q,)).fetchone()[0]
+        conn.execute("select pgcascade.register_consumer_at(%s, '.global_watermark', %s)", (Q, start_tick))
+        q.set_queue_config(conn, Q, "rotation_period", "0")
+        q.insert_event(conn, Q, "t", "x")
+        tick = q.ticker(conn, Q)
+        consume_all(conn, Q, "c1")
+        assert [rotate(conn, Q) for _ in range(4)] == [1, 1, 0, 0]
+        assert event_rows(conn, Q) == 1
+        conn.execute("select pgcascade.register_consumer_at(%s, '.global_watermark', %s)", (Q, tick))
+        assert rotate(conn, Q) == 1
+        assert event_rows(conn, Q) == 0
+
+
+def test_unregister_releases_rotation_and_tick_cleanup_follows_slowest(qdb):
+    with qdb.connect() as conn:
+        q.register_consumer(conn, Q, "gone")
+        q.set_queue_config(conn, Q, "rotation_period", "0")
+        q.insert_event(conn, Q, "t", "x")
+        for _ in range(3):
+            q.ticker(conn, Q)
+        consume_all(conn, Q, "c1")
+        oldest = conn.execute("select min(tick_id) from pgcascade.tick").fetchone()[0]
+        conn.execute("select pgcascade.maint_tick_cleanup(%s)", (Q,))
+        assert conn.execute("select min(tick_id) from pgcascade.tick").fetchone()[0] == oldest  # "gone" needs it
+        assert [rotate(conn, Q) for _ in range(3)] == [1, 1, 0]
+        q.unregister_consumer(conn, Q, "gone")
+        assert rotate(conn, Q) == 1
+        conn.execute("select pgcascade.maint_tick_cleanup(%s)", (Q,))
+        last = conn.execute("select last_tick from pgcascade.get_consumer_info(%s, 'c1')", (Q,)).fetchone()[0]
+        assert conn.execute("select min(tick_id) from pgcascade.tick").fetchone()[0] == last
+
+
+def test_retry_redelivers_to_its_consumer_only(qdb):
+    with qdb.connect() as conn:
+        q.register_consumer(conn, Q, "other")
+        ev_id = q.insert_event(conn, Q, "t", "retry me", "x1")
+        q.ticker(conn, Q)
+        batch = conn.execute("select pgcascade.next_batch(%s, 'c1')", (Q,)).fetchone()[0]
+        conn.execute("select pgcascade.event_retry(%s, %s, 0)", (batch, ev_id))
+        conn.execute("select pgcascade.finish_batch(%s)", (batch,))
+        assert [ev["ev_id"] for _, ev in consume_all(conn, Q, "other")] == [ev_id]
+        assert conn.execute("select pgcascade.maint_retry_events()").fetchone()[0] == 1
+        q.ticker(conn, Q)
+        again = consume_all(conn, Q, "c1")
+        assert [(ev["ev_id"], ev["ev_retry"], ev["ev_data"], ev["ev_extra1"]) for _, ev in again] == [
+            (ev_id, 1, "retry me", "x1")
+        ]
+        assert consume_all(conn, Q, "other") == []
+
+
+def test_retry_not_due_yet_stays_parked(qdb):
+    with qdb.connect() as conn:
+        ev_id = q.insert_event(conn, Q, "t", "later")
+        q.ticker(conn, Q)
+        batch = conn.execute("select pgcascade.next_batch(%s, 'c1')", (Q,)).fetchone()[0]
+        conn.execute("select pgcascade.event_retry(%s, %s, 3600)", (batch, ev_id))
+        conn.execute("select pgcascade.finish_batch(%s)", (batch,))
+        assert conn.execute("select pgcascade.maint_retry_events()").fetchone()[0] == 0
+        q.ticker(conn, Q)
+        assert consume_all(conn, Q, "c1") == []
+
+
+def test_consumer_class_finishes_only_on_success_and_retries_atomically(qdb):
+    class Flaky(q.Consumer):
+        def __init__(self, *a):
+            super().__init__(*a)
+            self.fail = True
+            self.seen: list[int] = []
+
+        def process_batch(self, batch: q.Batch) -> None:
+            events = list(batch.events())
+            for ev in events:
+                if ev.ev_data == "retry":
+                    batch.retry(ev, 0)
+            if self.fail:
+                self.fail = False
+                raise RuntimeError("boom")
+            self.seen += [ev.ev_id for ev in events]
+
+    with qdb.connect() as conn:
+        ids = [q.insert_event(conn, Q, "t", d) for d in ("a", "retry", "b")]
+        q.ticker(conn, Q)
+        c = Flaky(qdb.connstr, Q, "c1")
+        with pytest.raises(RuntimeError):
+            c.run_once()
+        assert conn.execute("select count(*) from pgcascade.retry_queue").fetchone()[0] == 0  # rolled back
+        assert c.run_once() is not None
+        assert c.seen == ids
+        assert c.run_once() is None
+        conn.execute("select pgcascade.maint_retry_events()")
+        q.ticker(conn, Q)
+        assert c.run_once() is not None
+        assert c.seen == [*ids, ids[1]]
+        c.close()
+
+
+def test_batch_streams_in_bounded_memory(qdb):
+    n = 300_000
+    with qdb.connect() as conn:
+        conn.execute(
+            "select pgcascade.insert_event(%s, 'big', repeat('x', 200)) from generate_series(1, %s)", (Q, n)
+        )
+        q.ticker(conn, Q)
+
+    class Counting(q.Consumer):
+        count = 0
+        total = 0
+
+        def process_batch(self, batch: q.Batch) -> None:
+            for ev in batch.events():
+                self.count += 1
+                self.total += len(ev.ev_data)
+
+    c = Counting(qdb.connstr, Q, "c1", fetch_size=2000)
+    tracemalloc.start()
+    c.run_once()
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    c.close()
+    assert c.count == n and c.total == n * 200
+    # the batch is ~70 MB as Python objects; streaming keeps a fetch's worth
+    assert peak < 15_000_000, f"peak {peak / 1e6:.1f} MB"
+
+
+def test_explicit_tick_ids_for_external_ticker(qdb):
+    with qdb.connect() as conn:
+        q.set_queue_config(conn, Q, "external_ticker", "true")
+        with pytest.raises(psycopg.Error, match="takes its ticks from its provider"):
+            q.ticker(conn, Q)
+        ev = q.insert_event(conn, Q, "t", "x")
+        assert conn.execute("select pgcascade.ticker(%s, 100, now(), 42)", (Q,)).fetchone()[0] == 100
+        with pytest.raises(psycopg.Error, match="not after its last tick"):
+            conn.execute("select pgcascade.ticker(%s, 100, now(), 43)", (Q,))
+        got = consume_all(conn, Q, "c1")
+        assert [e["ev_id"] for _, e in got] == [ev]
+        info = conn.execute("select last_tick, pending_events from pgcascade.get_consumer_info(%s, 'c1')", (Q,))
+        assert info.fetchone()[0] == 100
+
+
+def test_events_and_tick_in_one_transaction_are_one_batch(qdb):
+    """What a cascade branch does: copy events and make the provider's tick in one transaction."""
+    with qdb.connect() as conn:
+        q.set_queue_config(conn, Q, "external_ticker", "true")
+        with conn.transaction():
+            ids = [q.insert_event(conn, Q, "t", f"{i}") for i in range(3)]
+            conn.execute("select pgcascade.ticker(%s, 7, now(), null)", (Q,))
+        assert [e["ev_id"] for _, e in consume_all(conn, Q, "c1")] == ids
+
+
+def test_bad_input_gives_clear_errors(qdb):
+    with qdb.connect() as conn:
+        cases = [
+            ("select pgcascade.insert_event('nosuch', 't', 'd')", 'queue "nosuch" does not exist'),
+            ("select pgcascade.ticker('nosuch')", 'queue "nosuch" does not exist'),
+            ("select pgcascade.register_consumer('nosuch', 'c')", 'queue "nosuch" does not exist'),
+            ("select pgcascade.next_batch('testq', 'nobody')", 'consumer "nobody" is not registered on queue "testq"'),
+            ("select pgcascade.unregister_consumer('testq', 'nobody')", 'consumer "nobody" is not registered'),
+            ("select pgcascade.finish_batch(123456)", "batch 123456 is not open"),
+            ("select pgcascade.get_batch_events(123456)", "batch 123456 is not open"),
+            ("select pgcascade.set_queue_config('testq', 'colour', 'red')", 'unknown queue parameter "colour"'),
+            ("select pgcascade.create_queue('')", "queue name must not be empty"),
+            ("select pgcascade.drop_queue('testq')", "still has 1 registered consumer"),
+        ]
+        for stmt, message in cases:
+            with pytest.raises(psycopg.Error) as e:
+                conn.execute(stmt)
+            assert message in e.value.diag.message_primary, stmt
+        q.insert_event(conn, Q, "t", "x")
+        q.ticker(conn, Q)
+        batch = conn.execute("select pgcascade.next_batch('testq', 'c1')").fetchone()[0]
+        conn.execute("select pgcascade.finish_batch(%s)", (batch,))
+        with pytest.raises(psycopg.Error, match=f"batch {batch} is not open"):
+            conn.execute("select pgcascade.finish_batch(%s)", (batch,))
+        q.set_queue_config(conn, Q, "disable_insert", "true")
+        with pytest.raises(psycopg.Error, match="does not accept events"):
+            q.insert_event(conn, Q, "t", "x")
+
+
+def test_drop_queue_removes_its_tables(qdb):
+    with qdb.connect() as conn:
+        q.create_queue(conn, "other")
+        q.insert_event(conn, "other", "t", "x")
+        q.drop_queue(conn, Q, force=True)
+        assert conn.execute("select count(*) from pgcascade.queue").fetchone()[0] == 1
+        parts = conn.execute(
+            "select count(*) from pg_inherits where inhparent = 'pgcascade.event'::regclass"
+        ).fetchone()[0]
+        assert parts == 3
+        assert q.create_queue(conn, Q) is True  # the name is free again
+        assert q.create_queue(conn, Q) is False
