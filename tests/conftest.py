@@ -7,6 +7,7 @@ test fails, the tail of each server log it used is printed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -35,8 +36,10 @@ def pytest_runtest_makereport(item, call):
 
 
 def _failed(request: pytest.FixtureRequest) -> bool:
-    return any(getattr(request.node, f"rep_{w}", None) is not None and getattr(request.node, f"rep_{w}").failed
-               for w in ("setup", "call"))
+    return any(
+        getattr(request.node, f"rep_{w}", None) is not None and getattr(request.node, f"rep_{w}").failed
+        for w in ("setup", "call")
+    )
 
 
 class ClusterPool:
@@ -112,10 +115,8 @@ def make_db(pool: ClusterPool, request: pytest.FixtureRequest) -> Iterator:
         for c in {id(d.cluster): d.cluster for d in made}.values():
             print(f"\n----- server log of cluster {c.name} (port {c.port}) -----\n{c.log_tail()}")
     for d in made:
-        try:
+        with contextlib.suppress(psycopg.Error):
             d.cluster.drop_database(d.name)
-        except psycopg.Error:
-            pass
 
 
 @pytest.fixture
@@ -172,7 +173,9 @@ class Daemons:
         self.procs: list[subprocess.Popen] = []
 
     def start(self, *args: str) -> subprocess.Popen:
-        p = subprocess.Popen([*PGCASCADE, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        p = subprocess.Popen(
+            [*PGCASCADE, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         self.procs.append(p)
         return p
 

@@ -43,15 +43,18 @@ def qdb(db):
 
 def test_events_arrive_once_in_order_with_fields(qdb):
     with qdb.connect() as conn:
-        ids = [q.insert_event(conn, Q, "t1", "d1"), q.insert_event(conn, Q, "t2", None, "e1", "e2", "e3", "e4")]
+        ids = [
+            q.insert_event(conn, Q, "t1", "d1"),
+            q.insert_event(conn, Q, "t2", None, "e1", "e2", "e3", "e4"),
+        ]
         with conn.transaction():
-            ids.append(q.insert_event(conn, Q, "t3", "it's \\ \"quoted\"\nnewline ünïcode"))
+            ids.append(q.insert_event(conn, Q, "t3", 'it\'s \\ "quoted"\nnewline ünïcode'))
         q.ticker(conn, Q)
         got = consume_all(conn, Q, "c1")
         assert [ev["ev_id"] for _, ev in got] == ids
         assert got[1][1]["ev_data"] is None
         assert [got[1][1][f"ev_extra{i}"] for i in range(1, 5)] == ["e1", "e2", "e3", "e4"]
-        assert got[2][1]["ev_data"] == "it's \\ \"quoted\"\nnewline ünïcode"
+        assert got[2][1]["ev_data"] == 'it\'s \\ "quoted"\nnewline ünïcode'
         assert got[0][1]["ev_retry"] is None and got[0][1]["ev_type"] == "t1"
         assert consume_all(conn, Q, "c1") == []  # nothing twice
 
@@ -148,9 +151,10 @@ def test_long_transaction_is_delivered_whole_in_the_batch_after_its_commit(qdb):
         got = consume_all(conn, Q, "c1")
         assert sorted(ev["ev_id"] for _, ev in got if ev["ev_type"] == "long") == long_ids
         assert len({b for b, _ in got}) == 1
-        assert conn.execute(
-            "select last_tick from pgcascade.get_consumer_info(%s, 'c1')", (Q,)
-        ).fetchone()[0] == tick_after_commit
+        assert (
+            conn.execute("select last_tick from pgcascade.get_consumer_info(%s, 'c1')", (Q,)).fetchone()[0]
+            == tick_after_commit
+        )
 
 
 def rotate(conn: psycopg.Connection, queue: str) -> int:
@@ -184,7 +188,9 @@ def test_rotation_under_load_loses_nothing(qdb):
                 time.sleep(0.01)
 
     rotations: list[int] = []
-    threads = [threading.Thread(target=writer) for _ in range(2)] + [threading.Thread(target=rotator, args=(rotations,))]
+    threads = [threading.Thread(target=writer) for _ in range(2)] + [
+        threading.Thread(target=rotator, args=(rotations,))
+    ]
     delivered: list[int] = []
     with qdb.connect() as conn:
         for t in threads:
@@ -250,7 +256,9 @@ def test_unregister_releases_rotation_and_tick_cleanup_follows_slowest(qdb):
         consume_all(conn, Q, "c1")
         oldest = conn.execute("select min(tick_id) from pgcascade.tick").fetchone()[0]
         conn.execute("select pgcascade.maint_tick_cleanup(%s)", (Q,))
-        assert conn.execute("select min(tick_id) from pgcascade.tick").fetchone()[0] == oldest  # "gone" needs it
+        assert (
+            conn.execute("select min(tick_id) from pgcascade.tick").fetchone()[0] == oldest
+        )  # "gone" needs it
         assert [rotate(conn, Q) for _ in range(3)] == [1, 1, 0]
         q.unregister_consumer(conn, Q, "gone")
         assert rotate(conn, Q) == 1
@@ -362,7 +370,9 @@ def test_explicit_tick_ids_for_external_ticker(qdb):
             conn.execute("select pgcascade.ticker(%s, 100, now(), 43)", (Q,))
         got = consume_all(conn, Q, "c1")
         assert [e["ev_id"] for _, e in got] == [ev]
-        info = conn.execute("select last_tick, pending_events from pgcascade.get_consumer_info(%s, 'c1')", (Q,))
+        info = conn.execute(
+            "select last_tick, pending_events from pgcascade.get_consumer_info(%s, 'c1')", (Q,)
+        )
         assert info.fetchone()[0] == 100
 
 
@@ -382,11 +392,20 @@ def test_bad_input_gives_clear_errors(qdb):
             ("select pgcascade.insert_event('nosuch', 't', 'd')", 'queue "nosuch" does not exist'),
             ("select pgcascade.ticker('nosuch')", 'queue "nosuch" does not exist'),
             ("select pgcascade.register_consumer('nosuch', 'c')", 'queue "nosuch" does not exist'),
-            ("select pgcascade.next_batch('testq', 'nobody')", 'consumer "nobody" is not registered on queue "testq"'),
-            ("select pgcascade.unregister_consumer('testq', 'nobody')", 'consumer "nobody" is not registered'),
+            (
+                "select pgcascade.next_batch('testq', 'nobody')",
+                'consumer "nobody" is not registered on queue "testq"',
+            ),
+            (
+                "select pgcascade.unregister_consumer('testq', 'nobody')",
+                'consumer "nobody" is not registered',
+            ),
             ("select pgcascade.finish_batch(123456)", "batch 123456 is not open"),
             ("select pgcascade.get_batch_events(123456)", "batch 123456 is not open"),
-            ("select pgcascade.set_queue_config('testq', 'colour', 'red')", 'unknown queue parameter "colour"'),
+            (
+                "select pgcascade.set_queue_config('testq', 'colour', 'red')",
+                'unknown queue parameter "colour"',
+            ),
             ("select pgcascade.create_queue('')", "queue name must not be empty"),
             ("select pgcascade.drop_queue('testq')", "still has 1 registered consumer"),
         ]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-from pathlib import Path
 
 import click
 import psycopg
@@ -72,9 +71,13 @@ def cli(ctx: click.Context, config_path: str | None, verbose: bool, quiet: bool)
 
 def daemon_switches(f):
     """-d/-s/-k/-r as every Skytools daemon has them."""
-    f = click.option("-r", "--reload", "ctl", flag_value="reload", help="Make the running daemon reload its config.")(f)
+    f = click.option(
+        "-r", "--reload", "ctl", flag_value="reload", help="Make the running daemon reload its config."
+    )(f)
     f = click.option("-k", "--kill", "ctl", flag_value="kill", help="Kill the running daemon.")(f)
-    f = click.option("-s", "--stop", "ctl", flag_value="stop", help="Stop the running daemon after its current work.")(f)
+    f = click.option(
+        "-s", "--stop", "ctl", flag_value="stop", help="Stop the running daemon after its current work."
+    )(f)
     f = click.option("-d", "--daemon", "detach", is_flag=True, help="Run in the background.")(f)
     return f
 

@@ -18,8 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from pgcascade.config import JobConfig
-from pgcascade.errors import RuntimeFailure, UserError, redact
+from pgcascade.config import JobConfig, load_config
+from pgcascade.errors import ConfigError, RuntimeFailure, UserError, redact
 
 log = logging.getLogger("pgcascade")
 
@@ -31,7 +31,9 @@ class RedactingFormatter(logging.Formatter):
         return redact(super().format(record))
 
 
-def setup_logging(logfile: Path | None, verbose: bool = False, quiet: bool = False, to_stderr: bool = True) -> None:
+def setup_logging(
+    logfile: Path | None, verbose: bool = False, quiet: bool = False, to_stderr: bool = True
+) -> None:
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
@@ -65,6 +67,10 @@ def pid_alive(pid: int) -> bool:
     with contextlib.suppress(ChildProcessError):
         done, _ = os.waitpid(pid, os.WNOHANG)
         if done == pid:
+            return False
+    # a zombie of another parent (exited, not reaped yet) answers too, but it is not running
+    with contextlib.suppress(OSError, IndexError):
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
             return False
     return True
 
@@ -129,6 +135,7 @@ class Daemon:
         if detach:
             if not self.cfg.logfile or not self.cfg.pidfile:
                 raise UserError(f"{self.cfg.path}: -d needs logfile and pidfile in the config")
+            self._check_not_running()  # before detaching, while the user still sees the error
             daemonize()
             setup_logging(self.cfg.logfile, to_stderr=False)
         self._take_pidfile()
@@ -147,6 +154,10 @@ class Daemon:
             if self.reload_requested:
                 self.reload_requested = False
                 log.info("reloading config %s", self.cfg.path)
+                try:
+                    self.cfg = load_config(self.cfg.path)
+                except ConfigError as e:
+                    log.error("%s; keeping the config loaded before", e)
                 self.reload()
             try:
                 busy = self.work()
@@ -155,7 +166,9 @@ class Daemon:
                 raise
             except Exception as e:
                 self.error_backoff = min(max(self.error_backoff * 2, 1.0), 30.0)
-                log.error("%s: %s (retrying in %.0fs)", type(e).__name__, redact(str(e)).strip(), self.error_backoff)
+                log.error(
+                    "%s: %s (retrying in %.0fs)", type(e).__name__, redact(str(e)).strip(), self.error_backoff
+                )
                 log.debug("traceback", exc_info=True)
                 self.sleep(self.error_backoff)
                 continue
@@ -178,13 +191,17 @@ class Daemon:
         signal.signal(signal.SIGTERM, hard)
         signal.signal(signal.SIGHUP, hup)
 
+    def _check_not_running(self) -> None:
+        pf = self.cfg.pidfile
+        pid = read_pid(pf) if pf is not None else None
+        if pid is not None and pid != os.getpid() and pid_alive(pid):
+            raise RuntimeFailure(f"{self.cfg.job_name} is already running (pid {pid}, {pf})")
+
     def _take_pidfile(self) -> None:
         pf = self.cfg.pidfile
         if pf is None:
             return
-        pid = read_pid(pf)
-        if pid is not None and pid != os.getpid() and pid_alive(pid):
-            raise RuntimeFailure(f"{self.cfg.job_name} is already running (pid {pid}, {pf})")
+        self._check_not_running()
         pf.parent.mkdir(parents=True, exist_ok=True)
         tmp = pf.with_suffix(pf.suffix + ".tmp")
         tmp.write_text(f"{os.getpid()}\n")

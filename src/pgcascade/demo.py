@@ -87,7 +87,10 @@ def run_demo(seconds: float = 20.0, keep: bool = False) -> None:
         for w in writers:
             w.start()
         consumer_thread.start()
-        with psycopg.connect(connstr, autocommit=True) as conn, Live(console=console, refresh_per_second=4) as live:
+        with (
+            psycopg.connect(connstr, autocommit=True) as conn,
+            Live(console=console, refresh_per_second=4) as live,
+        ):
             started = time.monotonic()
             while time.monotonic() - started < seconds:
                 written = sum(len(w.committed) for w in writers)
@@ -103,7 +106,9 @@ def run_demo(seconds: float = 20.0, keep: bool = False) -> None:
             committed = sorted(i for w in writers for i in w.committed)
             deadline = time.monotonic() + 15
             while len(consumer.seen) < len(committed) and time.monotonic() < deadline:
-                live.update(Group(Text(f"catching up: {len(consumer.seen)}/{len(committed)}"), queue_tables(conn)))
+                live.update(
+                    Group(Text(f"catching up: {len(consumer.seen)}/{len(committed)}"), queue_tables(conn))
+                )
                 time.sleep(0.2)
         if sorted(consumer.seen) != committed:
             raise RuntimeFailure(

@@ -150,7 +150,9 @@ def queue_info(conn: psycopg.Connection, queue: str | None = None) -> list[dict]
         return cur.execute("select * from pgcascade.get_queue_info(%s)", (queue,)).fetchall()
 
 
-def consumer_info(conn: psycopg.Connection, queue: str | None = None, consumer: str | None = None) -> list[dict]:
+def consumer_info(
+    conn: psycopg.Connection, queue: str | None = None, consumer: str | None = None
+) -> list[dict]:
     with conn.cursor(row_factory=psycopg.rows.dict_row) as cur:
         return cur.execute("select * from pgcascade.get_consumer_info(%s, %s)", (queue, consumer)).fetchall()
 

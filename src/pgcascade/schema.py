@@ -59,7 +59,9 @@ def installed_version(conn: psycopg.Connection) -> int:
     return int(row[0]) if row else 0
 
 
-def install(conn: psycopg.Connection, target: int | None = None, with_functions: bool = True) -> tuple[int, int]:
+def install(
+    conn: psycopg.Connection, target: int | None = None, with_functions: bool = True
+) -> tuple[int, int]:
     """Bring the schema to `target` (default: the latest); returns (version before, version after).
 
     `target` below the latest and `with_functions=False` exist to build old versions in tests.
@@ -82,7 +84,8 @@ def install(conn: psycopg.Connection, target: int | None = None, with_functions:
             if before < m.version <= target:
                 conn.execute(m.sql.encode())
                 conn.execute(
-                    "insert into pgcascade.schema_version (version, name) values (%s, %s)", (m.version, m.name)
+                    "insert into pgcascade.schema_version (version, name) values (%s, %s)",
+                    (m.version, m.name),
                 )
         if with_functions:
             for _name, sql in function_files():

@@ -29,7 +29,13 @@ def queue_tables(conn: psycopg.Connection) -> Group:
     for col in ("queue", "last tick", "ticker lag", "events waiting", "events/s", "table", "consumers"):
         queues.add_column(col, justify="left" if col == "queue" else "right")
     for r in q.queue_info(conn):
-        flags = " (paused)" if r["queue_ticker_paused"] else " (external ticks)" if r["queue_external_ticker"] else ""
+        flags = (
+            " (paused)"
+            if r["queue_ticker_paused"]
+            else " (external ticks)"
+            if r["queue_external_ticker"]
+            else ""
+        )
         queues.add_row(
             r["queue_name"] + flags,
             str(r["last_tick_id"]),

@@ -57,7 +57,11 @@ class DatabaseTicker:
         now = time.monotonic()
         if self.down_since is None:
             self.down_since = now
-            log.warning("db %s: %s; retrying", self.name, db_error_line(err) if isinstance(err, psycopg.Error) else err)
+            log.warning(
+                "db %s: %s; retrying",
+                self.name,
+                db_error_line(err) if isinstance(err, psycopg.Error) else err,
+            )
         self.backoff = min(max(self.backoff * 2, 0.5), 10.0)
         self.retry_at = now + self.backoff
         if self.conn is not None:
@@ -100,7 +104,9 @@ class Ticker(Daemon):
         with psycopg.connect(
             conninfo_for(self.cfg.base_connstr, self.cfg.initial_database), autocommit=True, connect_timeout=5
         ) as conn:
-            names = [r[0] for r in conn.execute("select datname from pg_database where datallowconn order by 1")]
+            names = [
+                r[0] for r in conn.execute("select datname from pg_database where datallowconn order by 1")
+            ]
         for name in names:
             cs = conninfo_for(self.cfg.base_connstr, name)
             try:
