@@ -14,20 +14,29 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+from pathlib import Path
 
 import click
 import psycopg
 
+from pgcascade import capture, schema, subscriber
+from pgcascade import node as nodes
 from pgcascade import queue as q
-from pgcascade import schema
 from pgcascade.config import JobConfig, load_config
 from pgcascade.daemon import setup_logging, signal_daemon
-from pgcascade.errors import RuntimeFailure, UserError, db_error_line, redact
+from pgcascade.errors import ConfigError, RuntimeFailure, UserError, db_error_line, redact
 
 log = logging.getLogger("pgcascade")
 
 # SQLSTATEs our SQL functions raise for bad input: unknown object, invalid parameter, wrong state.
 USER_SQLSTATES = {"P0002", "22023", "22004", "55000", "55006"}
+# SQLSTATE classes that are the user's input too: 22 = data exception (a value that is not an
+# interval, an integer out of range, ... as in `queue config q ticker_max_lag=soon`).
+USER_SQLSTATE_CLASSES = {"22"}
+
+
+def is_user_sqlstate(sqlstate: str | None) -> bool:
+    return sqlstate is not None and (sqlstate in USER_SQLSTATES or sqlstate[:2] in USER_SQLSTATE_CLASSES)
 
 
 class Context:
@@ -48,10 +57,25 @@ class Context:
     def db(self) -> str:
         if not self.cfg.db:
             raise UserError(f"{self.cfg.path}: db is not set")
+        try:
+            psycopg.conninfo.conninfo_to_dict(self.cfg.db)
+        except psycopg.ProgrammingError as e:
+            raise ConfigError(f"{self.cfg.path}: db: {db_error_line(e)}") from None
         return self.cfg.db
 
-    def connect(self, autocommit: bool = True) -> psycopg.Connection:
-        return psycopg.connect(self.db(), autocommit=autocommit, connect_timeout=10)
+    def connect(self, autocommit: bool = True, connstr: str | None = None) -> psycopg.Connection:
+        return psycopg.connect(connstr or self.db(), autocommit=autocommit, connect_timeout=10)
+
+    def queue(self) -> str:
+        if not self.cfg.queue_name:
+            raise UserError(f"{self.cfg.path}: queue_name is not set")
+        return self.cfg.queue_name
+
+    def node(self, conn: psycopg.Connection) -> nodes.Node:
+        return nodes.require_node(conn, self.queue())
+
+    def provider(self, conn: psycopg.Connection, node: nodes.Node) -> psycopg.Connection:
+        return self.connect(connstr=nodes.provider_location(conn, node))
 
 
 pass_ctx = click.make_pass_decorator(Context)
@@ -206,11 +230,240 @@ def queue_tick(ctx: Context, name: str) -> None:
 @cli.command()
 @pass_ctx
 def status(ctx: Context) -> None:
-    """Show queues and consumers of the job's database, with lag."""
-    from pgcascade.status import print_queue_status
+    """Show this node (type, provider, lag, tables per state, last error), or the queues."""
+    from pgcascade.status import print_node_status, print_queue_status
 
     with ctx.connect() as conn:
-        print_queue_status(conn)
+        node = nodes.get_node(conn, ctx.cfg.queue_name) if ctx.cfg.queue_name else None
+        if node is None:
+            print_queue_status(conn)
+        else:
+            print_node_status(conn, node)
+
+
+# --- nodes ------------------------------------------------------------------------------------
+
+
+@cli.command("create-root")
+@click.argument("node_name")
+@click.argument("location", required=False)
+@pass_ctx
+def create_root(ctx: Context, node_name: str, location: str | None) -> None:
+    """Make this database the root of the set: install, create the queue."""
+    with ctx.connect() as conn:
+        created = nodes.create_root(conn, ctx.queue(), node_name, location or ctx.db())
+    click.echo(f"root {node_name} of {ctx.queue()}: {'created' if created else 'exists already'}")
+
+
+@cli.command("create-leaf")
+@click.argument("node_name")
+@click.argument("location", required=False)
+@click.option("--provider", "provider", required=True, help="Connection string of the provider node.")
+@pass_ctx
+def create_leaf(ctx: Context, node_name: str, location: str | None, provider: str) -> None:
+    """Make this database a leaf of the set, fed by the provider."""
+    with ctx.connect() as conn:
+        created = nodes.create_leaf(conn, ctx.queue(), node_name, location or ctx.db(), provider)
+    click.echo(f"leaf {node_name} of {ctx.queue()}: {'created' if created else 'exists already'}")
+
+
+# --- tables and sequences ---------------------------------------------------------------------
+
+
+@cli.command("add-table")
+@click.argument("tables", nargs=-1)
+@click.option(
+    "--all", "all_tables", is_flag=True, help="Every table (root: of the database; leaf: of the set)."
+)
+@click.option("--key", help="Root: key columns of a table without a primary key (COL[,COL...]).")
+@click.option(
+    "--format",
+    "event_format",
+    default="json",
+    show_default=True,
+    help="Root: json or sql (the seed's partial SQL).",
+)
+@click.option("--expect-sync", is_flag=True, help="Subscriber: the table is in sync already; skip the copy.")
+@click.option("--skip-truncate", is_flag=True, help="Subscriber: keep the rows already there when copying.")
+@click.option("--force", is_flag=True, help="Subscriber: skip the structure check.")
+@click.option("--create", is_flag=True, help="Subscriber: create the table from the provider's definition.")
+@click.option("--dest-table", help="Subscriber: apply to this local table instead.")
+@click.option(
+    "--allow-local-writes", is_flag=True, help="Subscriber: do not refuse writes of ordinary sessions."
+)
+@pass_ctx
+def add_table(
+    ctx: Context, tables: tuple[str, ...], all_tables: bool, key: str | None, event_format: str, **opts
+) -> None:
+    """Replicate tables: on the root, capture them; on a subscriber, subscribe to them."""
+    if not tables and not all_tables:
+        raise UserError("add-table needs table names (or --all)")
+    with ctx.connect() as conn:
+        node = ctx.node(conn)
+        if node.role.captures_changes:
+            keys = [k.strip() for k in key.split(",")] if key else None
+            added = capture.add_tables(conn, ctx.queue(), list(tables), all_tables, keys, event_format)
+        else:
+            with ctx.provider(conn, node) as prov:
+                added = subscriber.add_tables(conn, prov, ctx.queue(), list(tables), all_tables, **opts)
+    for t in added:
+        click.echo(f"added {t}")
+
+
+@cli.command("remove-table")
+@click.argument("tables", nargs=-1, required=True)
+@pass_ctx
+def remove_table(ctx: Context, tables: tuple[str, ...]) -> None:
+    """Stop replicating tables (the tables and their rows stay)."""
+    with ctx.connect() as conn:
+        node = ctx.node(conn)
+        if node.role.captures_changes:
+            removed = capture.remove_tables(conn, ctx.queue(), list(tables))
+        else:
+            removed = subscriber.remove_tables(conn, ctx.queue(), list(tables))
+    for t in removed:
+        click.echo(f"removed {t}")
+
+
+@cli.command("tables")
+@pass_ctx
+def tables_cmd(ctx: Context) -> None:
+    """List the replicated tables (on a subscriber, with their state)."""
+    with ctx.connect() as conn:
+        node = ctx.node(conn)
+        if node.role.captures_changes:
+            for t, keys in capture.set_tables(conn, ctx.queue()).items():
+                click.echo(f"{t}  key: {', '.join(keys)}")
+        else:
+            for t in subscriber.tables(conn, ctx.queue()):
+                dest = f" -> {t.dest_table}" if t.dest_table != t.table_name else ""
+                click.echo(f"{t.table_name}{dest}  {t.state or 'NULL'}")
+
+
+@cli.command("missing")
+@pass_ctx
+def missing(ctx: Context) -> None:
+    """List the provider's tables this subscriber does not replicate."""
+    with ctx.connect() as conn:
+        node = ctx.node(conn)
+        if node.role.captures_changes:
+            raise UserError("missing is a subscriber verb: the root has every table of the set")
+        with ctx.provider(conn, node) as prov:
+            for t in subscriber.missing_tables(conn, prov, ctx.queue()):
+                click.echo(t)
+
+
+@cli.command("resync")
+@click.argument("tables", nargs=-1, required=True)
+@pass_ctx
+def resync(ctx: Context, tables: tuple[str, ...]) -> None:
+    """Copy tables again (their state goes back to NULL)."""
+    with ctx.connect() as conn:
+        if ctx.node(conn).role.captures_changes:
+            raise UserError("resync is a subscriber verb")
+        for t in subscriber.resync_tables(conn, ctx.queue(), list(tables)):
+            click.echo(f"resync {t}")
+
+
+@cli.command("add-seq")
+@click.argument("seqs", nargs=-1)
+@click.option("--all", "all_seqs", is_flag=True, help="Every sequence.")
+@pass_ctx
+def add_seq(ctx: Context, seqs: tuple[str, ...], all_seqs: bool) -> None:
+    """Replicate sequences: their values follow the root."""
+    if not seqs and not all_seqs:
+        raise UserError("add-seq needs sequence names (or --all)")
+    with ctx.connect() as conn:
+        node = ctx.node(conn)
+        if node.role.captures_changes:
+            added = capture.add_seqs(conn, ctx.queue(), list(seqs), all_seqs)
+        else:
+            with ctx.provider(conn, node) as prov:
+                added = subscriber.add_seqs(conn, prov, ctx.queue(), list(seqs), all_seqs)
+    for s in added:
+        click.echo(f"added {s}")
+
+
+@cli.command("remove-seq")
+@click.argument("seqs", nargs=-1, required=True)
+@pass_ctx
+def remove_seq(ctx: Context, seqs: tuple[str, ...]) -> None:
+    """Stop replicating sequences."""
+    with ctx.connect() as conn:
+        if ctx.node(conn).role.captures_changes:
+            capture.remove_seqs(conn, ctx.queue(), list(seqs))
+        else:
+            subscriber.remove_seqs(conn, ctx.queue(), list(seqs))
+    click.echo("removed " + ", ".join(seqs))
+
+
+@cli.command("seqs")
+@pass_ctx
+def seqs_cmd(ctx: Context) -> None:
+    """List the replicated sequences."""
+    with ctx.connect() as conn:
+        if ctx.node(conn).role.captures_changes:
+            names = capture.set_seqs(conn, ctx.queue())
+        else:
+            names = [s for s, _ in subscriber.seqs(conn, ctx.queue())]
+    for n in names:
+        click.echo(n)
+
+
+@cli.command("execute")
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@pass_ctx
+def execute(ctx: Context, files: tuple[str, ...]) -> None:
+    """Run SQL scripts on the root and, at the same position of the stream, on every subscriber."""
+    with ctx.connect() as conn:
+        if not ctx.node(conn).role.captures_changes:
+            raise UserError("execute runs on the root: its subscribers replay the script from the queue")
+        for f in files:
+            text = Path(f).read_text()
+            with conn.transaction():
+                conn.execute(text.encode())
+                conn.execute(
+                    "select pgcascade.insert_event(%s, 'EXECUTE', %s, %s)", (ctx.queue(), text, Path(f).name)
+                )
+            click.echo(f"executed {f}")
+
+
+@cli.command("wait-sync")
+@click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait at most.")
+@pass_ctx
+def wait_sync(ctx: Context, timeout: float) -> None:
+    """Wait until every table is ok and this node has applied everything committed before now."""
+    from pgcascade.status import wait_sync as wait
+
+    with ctx.connect() as conn:
+        node = ctx.node(conn)
+        with ctx.provider(conn, node) as prov:
+            wait(conn, prov, node, timeout)
+    click.echo("in sync")
+
+
+# --- daemons ----------------------------------------------------------------------------------
+
+
+@cli.command()
+@daemon_switches
+@pass_ctx
+def worker(ctx: Context, detach: bool, ctl: str | None) -> None:
+    """Run the replay worker of this node (-d detach, -s stop, -k kill, -r reload)."""
+    from pgcascade.replay import Worker
+
+    control_or_start(ctx, Worker, detach, ctl)
+
+
+@cli.command(hidden=True)
+@click.argument("table")
+@pass_ctx
+def copy(ctx: Context, table: str) -> None:
+    """Internal: the copy process of one table (the worker starts it)."""
+    from pgcascade.copy import CopyProcess
+
+    setup_logging(ctx.cfg.logfile, verbose=ctx.verbose, quiet=ctx.quiet)
+    CopyProcess(ctx.cfg, table).start()
 
 
 @cli.command()
@@ -250,7 +503,7 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(e.ctx.get_help() if e.ctx else "", err=True)
         sys.exit(2)
     except click.UsageError as e:
-        hint = f" (try: pgcascade {e.ctx.command_path.split(' ', 1)[-1]} --help)" if e.ctx else ""
+        hint = f" (try: {e.ctx.command_path} --help)" if e.ctx else ""
         fail(f"{e.format_message()}{hint}", 2)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
@@ -260,10 +513,14 @@ def main(argv: list[str] | None = None) -> None:
         fail(str(e), e.exit_code)
     except RuntimeFailure as e:
         fail(str(e), e.exit_code)
-    except psycopg.OperationalError as e:
-        fail(f"database: {db_error_line(e)}", 1)
     except psycopg.Error as e:
-        fail(db_error_line(e), 2 if e.sqlstate in USER_SQLSTATES else 1)
+        # before OperationalError: psycopg maps our 55xxx (wrong state) errors to OperationalError
+        if is_user_sqlstate(e.sqlstate):
+            fail(db_error_line(e), 2)
+        elif isinstance(e, psycopg.OperationalError):
+            fail(f"database: {db_error_line(e)}", 1)
+        else:
+            fail(db_error_line(e), 1)
     except KeyboardInterrupt:
         fail("interrupted", 1)
     except Exception as e:  # a bug: say so in one line; -v logs the traceback

@@ -126,6 +126,12 @@ class Daemon:
     def shutdown(self) -> None:
         """Release resources before exit."""
 
+    def report_error(self, e: Exception) -> None:
+        """Make a failed round visible (the worker stores it for `status`)."""
+
+    def on_kill(self) -> None:
+        """Called on SIGTERM before exiting (the worker stops its copy processes first)."""
+
     def sleep(self, seconds: float) -> None:
         """Wait between rounds; a subclass may wait on LISTEN instead."""
         time.sleep(seconds)
@@ -170,6 +176,7 @@ class Daemon:
                     "%s: %s (retrying in %.0fs)", type(e).__name__, redact(str(e)).strip(), self.error_backoff
                 )
                 log.debug("traceback", exc_info=True)
+                self.report_error(e)
                 self.sleep(self.error_backoff)
                 continue
             if not busy and not self.stop_requested:
@@ -182,6 +189,7 @@ class Daemon:
 
         def hard(_sig, _frm):
             log.info("kill requested: exiting now")
+            self.on_kill()
             raise SystemExit(1)
 
         def hup(_sig, _frm):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import psycopg
@@ -9,6 +10,9 @@ from rich.console import Console, Group
 from rich.table import Table
 
 from pgcascade import queue as q
+from pgcascade import subscriber
+from pgcascade.errors import RuntimeFailure, db_error_line
+from pgcascade.node import Node, get_node, provider_location
 
 
 def fmt_interval(td: timedelta | None) -> str:
@@ -63,3 +67,77 @@ def queue_tables(conn: psycopg.Connection) -> Group:
 
 def print_queue_status(conn: psycopg.Connection) -> None:
     Console().print(queue_tables(conn))
+
+
+def node_lag(conn: psycopg.Connection, prov: psycopg.Connection | None, node: Node) -> dict:
+    """Lag of a subscriber: time since the provider tick it applied last, and ticks behind."""
+    out: dict = {"lag": None, "ticks_behind": None, "provider_reachable": prov is not None}
+    if prov is None or node.last_tick is None:
+        return out
+    row = prov.execute(
+        "select now() - (select tick_time from pgcascade.tick t join pgcascade.queue q on q.queue_id = t.tick_queue"
+        "                 where q.queue_name = %s and t.tick_id = %s),"
+        " (select last_tick_id from pgcascade.get_queue_info(%s))",
+        (node.queue_name, node.last_tick, node.queue_name),
+    ).fetchone()
+    out["lag"], last = row
+    out["ticks_behind"] = None if last is None else max(last - node.last_tick, 0)
+    return out
+
+
+def print_node_status(conn: psycopg.Connection, node: Node) -> None:
+    console = Console()
+    console.print(f"[bold]{node.node_name}[/bold] ({node.node_type}) of set {node.queue_name}")
+    if node.role.captures_changes:
+        console.print(queue_tables(conn))
+        return
+    prov = None
+    try:
+        prov = psycopg.connect(provider_location(conn, node), autocommit=True, connect_timeout=5)
+    except psycopg.Error as e:
+        console.print(f"provider {node.provider_node}: [red]unreachable[/red] ({db_error_line(e)})")
+    try:
+        lag = node_lag(conn, prov, node)
+    finally:
+        if prov is not None:
+            prov.close()
+    console.print(f"provider: {node.provider_node}")
+    console.print(
+        f"lag: {fmt_interval(lag['lag'])}, {lag['ticks_behind'] if lag['ticks_behind'] is not None else '?'} ticks"
+        f" (last applied tick {node.last_tick}){'  [yellow]paused[/yellow]' if node.paused else ''}"
+    )
+    states: dict[str, int] = {}
+    for t in subscriber.tables(conn, node.queue_name):
+        states[t.state or "NULL"] = states.get(t.state or "NULL", 0) + 1
+    console.print("tables: " + (", ".join(f"{s}: {n}" for s, n in sorted(states.items())) or "none"))
+    error = conn.execute(
+        "select last_error, last_error_time from pgcascade.node where queue_name = %s", (node.queue_name,)
+    ).fetchone()
+    if error and error[0]:
+        console.print(f"[red]last error[/red] ({error[1]:%Y-%m-%d %H:%M:%S}): {error[0]}")
+
+
+def wait_sync(conn: psycopg.Connection, prov: psycopg.Connection, node: Node, timeout: float) -> None:
+    """Wait until every table is ok and the node applied a tick taken after this call began."""
+    prov_node = get_node(prov, node.queue_name)
+    if prov_node is not None and prov_node.node_type == "root":
+        target = q.ticker(prov, node.queue_name)  # a tick now: everything committed so far is in it
+    else:
+        target = prov.execute(
+            "select last_tick_id from pgcascade.get_queue_info(%s)", (node.queue_name,)
+        ).fetchone()[0]
+    deadline = time.monotonic() + timeout
+    while True:
+        tables = subscriber.tables(conn, node.queue_name)
+        last = conn.execute(
+            "select last_tick from pgcascade.node where queue_name = %s", (node.queue_name,)
+        ).fetchone()[0]
+        pending = [t.table_name for t in tables if t.state != "ok"]
+        if not pending and last is not None and last >= target:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeFailure(
+                f"not in sync after {timeout:.0f}s: at tick {last} of {target}"
+                + (f"; tables not ok: {', '.join(pending)}" if pending else "")
+            )
+        time.sleep(0.1)

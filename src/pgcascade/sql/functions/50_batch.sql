@@ -1,11 +1,13 @@
--- pgcascade.next_batch_info(queue, consumer) -> the consumer's open batch, opening the next one.
+-- pgcascade.next_batch_custom(queue, consumer, max_events, max_tick) -> the consumer's open
+-- batch, opening the next one:
 --   batch_id            null when no tick follows the consumer's position yet
 --   cur_tick_id, prev_tick_id, cur_tick_time, prev_tick_time, cur_tick_event_seq, prev_tick_event_seq
--- A batch spans exactly one tick interval, so every node of a cascade cuts identical batches.
+-- A batch spans one tick interval, or - for a consumer that is behind and gives max_events -
+-- as many consecutive intervals as hold about max_events events, never past max_tick.
 -- Calling it again before finish_batch returns the same batch (a consumer that crashed
 -- resumes the batch it had).
-create or replace function pgcascade.next_batch_info(
-    i_queue_name text, i_consumer text,
+create or replace function pgcascade.next_batch_custom(
+    i_queue_name text, i_consumer text, i_max_events int8, i_max_tick int8,
     out batch_id int8, out cur_tick_id int8, out prev_tick_id int8,
     out cur_tick_time timestamptz, out prev_tick_time timestamptz,
     out cur_tick_event_seq int8, out prev_tick_event_seq int8)
@@ -13,34 +15,53 @@ language plpgsql as $$
 declare
     s pgcascade.subscription;
     v_next int8;
+    v_far int8;
 begin
     s := pgcascade.find_subscription(i_queue_name, i_consumer, true);
-    if s.sub_batch is null then
-        select t.tick_id into v_next from pgcascade.tick t
-         where t.tick_queue = s.sub_queue and t.tick_id > s.sub_last_tick
-         order by t.tick_id limit 1;
-        if v_next is not null then
-            s.sub_batch := nextval('pgcascade.batch_id_seq');
-            s.sub_next_tick := v_next;
-            update pgcascade.subscription set sub_batch = s.sub_batch, sub_next_tick = v_next, sub_active = now()
-             where sub_id = s.sub_id;
-        else
-            update pgcascade.subscription set sub_active = now() where sub_id = s.sub_id;
-        end if;
-    end if;
-    batch_id := s.sub_batch;
-    prev_tick_id := s.sub_last_tick;
-    cur_tick_id := s.sub_next_tick;
     select t.tick_time, t.tick_event_seq into prev_tick_time, prev_tick_event_seq
       from pgcascade.tick t where t.tick_queue = s.sub_queue and t.tick_id = s.sub_last_tick;
     if not found then
         raise exception 'tick % of consumer "%" on queue "%" no longer exists', s.sub_last_tick, i_consumer, i_queue_name;
     end if;
+    if s.sub_batch is null and (i_max_tick is null or i_max_tick > s.sub_last_tick) then
+        select min(t.tick_id) into v_next from pgcascade.tick t
+         where t.tick_queue = s.sub_queue and t.tick_id > s.sub_last_tick;
+        if v_next is not null and i_max_events is not null then
+            select max(t.tick_id) into v_far from pgcascade.tick t
+             where t.tick_queue = s.sub_queue and t.tick_id > v_next
+               and t.tick_id <= coalesce(i_max_tick, t.tick_id)
+               and t.tick_event_seq <= prev_tick_event_seq + i_max_events;
+            v_next := greatest(v_next, v_far);
+        end if;
+        if v_next is not null then
+            s.sub_batch := nextval('pgcascade.batch_id_seq');
+            s.sub_next_tick := v_next;
+            update pgcascade.subscription set sub_batch = s.sub_batch, sub_next_tick = v_next, sub_active = now()
+             where sub_id = s.sub_id;
+        end if;
+    end if;
+    if s.sub_batch is null then
+        update pgcascade.subscription set sub_active = now() where sub_id = s.sub_id;
+    end if;
+    batch_id := s.sub_batch;
+    prev_tick_id := s.sub_last_tick;
+    cur_tick_id := s.sub_next_tick;
     if cur_tick_id is not null then
         select t.tick_time, t.tick_event_seq into cur_tick_time, cur_tick_event_seq
           from pgcascade.tick t where t.tick_queue = s.sub_queue and t.tick_id = cur_tick_id;
     end if;
 end $$;
+
+-- pgcascade.next_batch_info(queue, consumer) -> the next one-tick batch (see next_batch_custom).
+-- One tick interval per batch, so every node of a cascade cuts identical batches.
+create or replace function pgcascade.next_batch_info(
+    i_queue_name text, i_consumer text,
+    out batch_id int8, out cur_tick_id int8, out prev_tick_id int8,
+    out cur_tick_time timestamptz, out prev_tick_time timestamptz,
+    out cur_tick_event_seq int8, out prev_tick_event_seq int8)
+language sql as $$
+    select * from pgcascade.next_batch_custom(i_queue_name, i_consumer, null, null)
+$$;
 
 -- pgcascade.next_batch(queue, consumer) -> batch_id, or null when there is no new tick.
 create or replace function pgcascade.next_batch(i_queue_name text, i_consumer text) returns int8

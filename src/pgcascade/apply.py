@@ -1,0 +1,244 @@
+"""Turning a batch's events into changes on the subscriber, set-based.
+
+Python never loops over events.  A batch travels as one COPY stream from the provider's queue
+(`batch_event_sql`) into `pg_temp.pgcascade_stage` on the subscriber; then, per table, one
+statement reduces the staged events to their net effect per key (the last event of each key
+wins) and applies it: a DELETE for keys whose last event is D, and one INSERT ... ON CONFLICT
+DO UPDATE for the rest.  That is correct because a batch is applied in one transaction, so
+only its end state is ever visible, and because each key's events are ordered by ev_id (a
+later change of a row always has a later event id: the row lock orders them).
+
+Where that is unsafe the table's events go through `pgcascade.apply_rows` one by one, in
+ev_id order: the seed's partial-SQL events, a destination without a unique index on the key,
+or a set-based statement that broke another unique constraint (rolled back to a savepoint).
+
+Barrier events split a batch into segments applied in order: TRUNCATE (R) - consecutive
+ones in one TRUNCATE statement, as the provider's cascade did - and EXECUTE (DDL). The
+table-list event (T) needs no action here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import psycopg
+from psycopg import sql
+
+from pgcascade import catalog
+from pgcascade.errors import RuntimeFailure, db_error_line
+from pgcascade.subscriber import SubscriberTable
+
+log = logging.getLogger("pgcascade.apply")
+
+ROW_EVENTS = ("I", "U", "D")
+MAX_EV_ID = 2**63 - 1
+
+STAGE_DDL = (
+    "create temp table if not exists pgcascade_stage"
+    " (ev_id int8, ev_txid int8, ev_type text, ev_data text, ev_extra1 text) on commit delete rows"
+)
+
+
+def stage_batch(
+    prov: psycopg.Connection, sub: psycopg.Connection, batch_id: int, only_table: str | None = None
+) -> int:
+    """Stream the batch's events from the provider into the subscriber's staging table; bytes moved."""
+    sub.execute(STAGE_DDL)
+    batch_sql = prov.execute("select pgcascade.batch_event_sql(%s)", (batch_id,)).fetchone()[0]
+    query = sql.SQL(
+        "copy (select ev_id, ev_txid, ev_type, ev_data, ev_extra1 from ({}) b{}) to stdout"
+    ).format(
+        sql.SQL(batch_sql),  # composed by the provider's own function, with quoted literals
+        sql.SQL(" where ev_extra1 = {}").format(sql.Literal(only_table)) if only_table else sql.SQL(""),
+    )
+    moved = 0
+    with (
+        prov.cursor().copy(query) as src,
+        sub.cursor().copy("copy pg_temp.pgcascade_stage from stdin") as dst,
+    ):
+        for block in src:
+            dst.write(block)
+            moved += len(block)
+    return moved
+
+
+@dataclass
+class TableApplier:
+    """How one table's events are applied; built from both catalogs, reused batch after batch."""
+
+    table: str  # the provider's name, as in ev_extra1
+    dest: str
+    keys: list[str]
+    cols: list[str]  # columns both sides have (not generated on the subscriber)
+    set_based: bool
+    set_sql: sql.Composed | None = field(default=None, repr=False)
+
+    @classmethod
+    def build(
+        cls, sub: psycopg.Connection, prov: psycopg.Connection, st: SubscriberTable, event_format: str
+    ) -> TableApplier:
+        dest_cols = catalog.columns(sub, st.dest_table)
+        prov_names = {c.name for c in catalog.columns(prov, st.table_name)}
+        cols = [c.name for c in dest_cols if c.name in prov_names and not c.generated]
+        identity = any(c.identity for c in dest_cols if c.name in cols)
+        set_based = event_format == "json" and catalog.has_unique_index_on(sub, st.dest_table, st.key_columns)
+        a = cls(st.table_name, st.dest_table, st.key_columns, cols, set_based)
+        if set_based:
+            a.set_sql = a._set_based_sql(identity)
+        return a
+
+    def _set_based_sql(self, identity: bool) -> sql.Composed:
+        dest = sql.SQL(self.dest)  # canonical name, quoted by the server
+        key_exprs = sql.SQL(", ").join(sql.SQL("d->>{}").format(sql.Literal(k)) for k in self.keys)
+        key_match = sql.SQL(" and ").join(
+            sql.SQL("t.{0} = r.{0}").format(sql.Identifier(k)) for k in self.keys
+        )
+        cols = sql.SQL(", ").join(map(sql.Identifier, self.cols))
+        rcols = sql.SQL(", ").join(sql.SQL("r.{}").format(sql.Identifier(c)) for c in self.cols)
+        non_keys = [c for c in self.cols if c not in self.keys]
+        on_conflict = (
+            sql.SQL("do update set {}").format(
+                sql.SQL(", ").join(sql.SQL("{0} = excluded.{0}").format(sql.Identifier(c)) for c in non_keys)
+            )
+            if non_keys
+            else sql.SQL("do nothing")
+        )
+        return sql.SQL(
+            "with ev as ("
+            " select ev_id, ev_type, ev_data::jsonb as d from pg_temp.pgcascade_stage"
+            " where ev_extra1 = %(t)s and ev_id >= %(lo)s and ev_id < %(hi)s and ev_type in ('I', 'U', 'D')"
+            " and (%(skip)s::pg_snapshot is null"
+            "      or not pg_visible_in_snapshot(ev_txid::text::xid8, %(skip)s::pg_snapshot))),"
+            " net as (select distinct on ({keys}) ev_type, d from ev order by {keys}, ev_id desc),"
+            " del as (delete from {dest} t using net, jsonb_populate_record(null::{dest}, net.d) r"
+            "         where net.ev_type = 'D' and {key_match})"
+            " insert into {dest} ({cols}){overriding}"
+            " select {rcols} from net, jsonb_populate_record(null::{dest}, net.d) r where net.ev_type <> 'D'"
+            " on conflict ({keycols}) {on_conflict}"
+        ).format(
+            keys=key_exprs,
+            dest=dest,
+            key_match=key_match,
+            cols=cols,
+            rcols=rcols,
+            overriding=sql.SQL(" overriding system value" if identity else ""),
+            keycols=sql.SQL(", ").join(map(sql.Identifier, self.keys)),
+            on_conflict=on_conflict,
+        )
+
+    def apply(
+        self, sub: psycopg.Connection, lo: int, hi: int, skip: str | None, rowwise: bool = False
+    ) -> None:
+        params = {"t": self.table, "lo": lo, "hi": hi, "skip": skip}
+        if self.set_based and not rowwise:
+            try:
+                with sub.transaction():  # a savepoint: a failed set-based attempt leaves nothing behind
+                    sub.execute(self.set_sql, params)
+                return
+            except (psycopg.errors.UniqueViolation, psycopg.errors.ExclusionViolation) as e:
+                log.info("%s: set-based apply hit %s; applying row by row", self.dest, type(e).__name__)
+        sub.execute(
+            "select pgcascade.apply_rows(%s, %s::regclass, %s, %s, %s, %s, %s::pg_snapshot)",
+            (self.table, self.dest, self.keys, self.cols, lo, hi, skip),
+        )
+
+
+class ApplyError(RuntimeFailure):
+    """An event could not be applied; the message names the table and the server's reason."""
+
+
+@dataclass
+class BatchStats:
+    count: int = 0
+    ignored: int = 0
+    executed: int = 0  # EXECUTE (DDL) events run
+
+
+def apply_staged(
+    sub: psycopg.Connection, appliers: dict[str, TableApplier], skip: str | None = None
+) -> BatchStats:
+    """Apply the staged batch: segments of row events between barrier events, in ev_id order."""
+    stats = BatchStats()
+    barriers = sub.execute(
+        "select ev_id, ev_type, ev_data, ev_extra1 from pg_temp.pgcascade_stage"
+        " where ev_type not in ('I', 'U', 'D') order by ev_id"
+    ).fetchall()
+    pending_truncate: list[str] = []
+    lo = 0
+    for ev_id, ev_type, ev_data, ev_extra1 in [*barriers, (MAX_EV_ID, None, None, None)]:
+        apply_segment(sub, appliers, lo, ev_id, skip, stats, pending_truncate)
+        lo = ev_id + 1
+        if ev_type is None:
+            flush_truncate(sub, pending_truncate)
+            break
+        stats.count += 1
+        if ev_type == "R":
+            a = appliers.get(ev_extra1)
+            if a is None:
+                stats.ignored += 1
+            elif skip is None or not visible_in(sub, ev_id, skip):
+                pending_truncate.append(a.dest)
+            continue
+        flush_truncate(sub, pending_truncate)
+        if ev_type == "EXECUTE":
+            if skip is None:  # copy processes leave DDL to the main worker
+                log.info("executing %s from the queue", ev_extra1 or "script")
+                try:
+                    sub.execute(ev_data.encode())
+                except psycopg.OperationalError:
+                    raise
+                except psycopg.Error as e:
+                    raise ApplyError(f"EXECUTE {ev_extra1 or ''} (event {ev_id}): {db_error_line(e)}") from e
+                stats.executed += 1
+        elif ev_type != "T":
+            stats.ignored += 1
+    return stats
+
+
+def visible_in(sub: psycopg.Connection, ev_id: int, snapshot: str) -> bool:
+    return sub.execute(
+        "select pg_visible_in_snapshot(ev_txid::text::xid8, %s::pg_snapshot) from pg_temp.pgcascade_stage"
+        " where ev_id = %s",
+        (snapshot, ev_id),
+    ).fetchone()[0]
+
+
+def flush_truncate(sub: psycopg.Connection, dests: list[str]) -> None:
+    if dests:
+        sub.execute(
+            sql.SQL("truncate {}").format(sql.SQL(", ").join(sql.SQL(d) for d in dict.fromkeys(dests)))
+        )
+        dests.clear()
+
+
+def apply_segment(
+    sub: psycopg.Connection,
+    appliers: dict[str, TableApplier],
+    lo: int,
+    hi: int,
+    skip: str | None,
+    stats: BatchStats,
+    pending_truncate: list[str],
+) -> None:
+    """Apply the row events with lo <= ev_id < hi; truncates that precede them go first
+    (consecutive TRUNCATE events with no rows between them become one statement)."""
+    rows = sub.execute(
+        "select ev_extra1, count(*), bool_or(left(ev_data, 1) <> '{') from pg_temp.pgcascade_stage"
+        " where ev_id >= %s and ev_id < %s and ev_type in ('I', 'U', 'D') group by 1 order by 1",
+        (lo, hi),
+    ).fetchall()
+    if rows:
+        flush_truncate(sub, pending_truncate)
+    for table, n, partial_sql in rows:
+        stats.count += n
+        a = appliers.get(table)
+        if a is None:
+            stats.ignored += n
+            continue
+        try:
+            a.apply(sub, lo, hi, skip, rowwise=bool(partial_sql))
+        except psycopg.OperationalError:
+            raise
+        except psycopg.Error as e:
+            raise ApplyError(f"applying events of {table} to {a.dest}: {db_error_line(e)}") from e

@@ -1,0 +1,130 @@
+"""Change capture on the root: which tables and sequences the set replicates.
+
+`add_tables` installs the generated statement-level capture triggers (sql/functions/90_capture.sql)
+and registers the table in `set_table`, with its key: the primary key, or the columns the
+user names for a table without one.  Each change of the table list also goes into the queue as
+a `T` event (the seed's table-list event), so subscribers see tables leave the set in order.
+"""
+
+from __future__ import annotations
+
+import psycopg
+
+from pgcascade import catalog
+from pgcascade.catalog import TableRef
+from pgcascade.errors import UserError
+
+EVENT_FORMATS = ("json", "sql")
+
+
+def set_tables(conn: psycopg.Connection, queue: str) -> dict[str, list[str]]:
+    """table name -> key columns, for the set's tables as this node knows them."""
+    rows = conn.execute(
+        "select table_name, key_columns from pgcascade.set_table where queue_name = %s order by 1", (queue,)
+    ).fetchall()
+    return dict(rows)
+
+
+def emit_table_list(conn: psycopg.Connection, queue: str) -> None:
+    names = ",".join(set_tables(conn, queue))
+    conn.execute("select pgcascade.insert_event(%s, 'T', %s)", (queue, names))
+
+
+def add_tables(
+    conn: psycopg.Connection,
+    queue: str,
+    patterns: list[str],
+    all_tables: bool = False,
+    key: list[str] | None = None,
+    event_format: str = "json",
+) -> list[str]:
+    """Capture changes of the tables; returns the canonical names newly added."""
+    if event_format not in EVENT_FORMATS:
+        raise UserError(f"unknown event format {event_format!r}: use json or sql")
+    tables = catalog.all_tables(conn) if all_tables else catalog.resolve(conn, patterns)
+    if not tables:
+        raise UserError("no tables to add")
+    known = set_tables(conn, queue)
+    added = []
+    with conn.transaction():
+        for t in tables:
+            keys = key or catalog.primary_key(conn, t.oid)
+            if not keys:
+                raise UserError(
+                    f"table {t.canonical} has no primary key: give the key columns with --key=COL[,COL...]"
+                )
+            conn.execute(
+                "select pgcascade.capture_enable(%s, %s::regclass, %s, %s)",
+                (queue, t.canonical, keys, event_format),
+            )
+            conn.execute(
+                "insert into pgcascade.set_table (queue_name, table_name, key_columns, event_format)"
+                " values (%s, %s, %s, %s) on conflict (queue_name, table_name)"
+                " do update set key_columns = excluded.key_columns, event_format = excluded.event_format",
+                (queue, t.canonical, keys, event_format),
+            )
+            if t.canonical not in known:
+                added.append(t.canonical)
+        emit_table_list(conn, queue)
+    return added
+
+
+def remove_tables(conn: psycopg.Connection, queue: str, patterns: list[str]) -> list[str]:
+    known = set_tables(conn, queue)
+    names = []
+    for pat in patterns:
+        try:
+            refs: list[TableRef] = catalog.resolve(conn, [pat])
+            names += [r.canonical for r in refs]
+        except UserError:
+            sch, tab = catalog.split_name(conn, pat)
+            names.append(
+                conn.execute("select format('%%I.%%I', %s::text, %s::text)", (sch, tab)).fetchone()[0]
+            )
+    missing = [n for n in names if n not in known]
+    if missing:
+        raise UserError(f"not in the set: {', '.join(missing)}")
+    with conn.transaction():
+        for n in names:
+            if catalog.table_exists(conn, n):
+                conn.execute("select pgcascade.capture_disable(%s::regclass)", (n,))
+            conn.execute(
+                "delete from pgcascade.set_table where queue_name = %s and table_name = %s", (queue, n)
+            )
+        emit_table_list(conn, queue)
+    return names
+
+
+def add_seqs(conn: psycopg.Connection, queue: str, patterns: list[str], all_seqs: bool = False) -> list[str]:
+    seqs = (
+        catalog._relations(conn, "S")
+        if all_seqs
+        else catalog.resolve(conn, patterns, kinds="S", what="sequence")
+    )
+    with conn.transaction():
+        for s in seqs:
+            conn.execute(
+                "insert into pgcascade.set_seq (queue_name, seq_name) values (%s, %s) on conflict do nothing",
+                (queue, s.canonical),
+            )
+    return [s.canonical for s in seqs]
+
+
+def remove_seqs(conn: psycopg.Connection, queue: str, names: list[str]) -> None:
+    for n in names:
+        sch, seq = catalog.split_name(conn, n)
+        canonical = conn.execute("select format('%%I.%%I', %s::text, %s::text)", (sch, seq)).fetchone()[0]
+        cur = conn.execute(
+            "delete from pgcascade.set_seq where queue_name = %s and seq_name = %s", (queue, canonical)
+        )
+        if cur.rowcount == 0:
+            raise UserError(f"sequence {n!r} is not in the set")
+
+
+def set_seqs(conn: psycopg.Connection, queue: str) -> list[str]:
+    return [
+        r[0]
+        for r in conn.execute(
+            "select seq_name from pgcascade.set_seq where queue_name = %s order by 1", (queue,)
+        )
+    ]

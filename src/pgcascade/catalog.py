@@ -1,0 +1,137 @@
+"""Reading table definitions from PostgreSQL's catalog: names, keys, columns, indexes.
+
+Names given by users follow Londiste's rule: a bare name means `public.NAME`, never the
+search_path.  Quoted names are parsed by the server (`parse_ident`), so capitals, spaces,
+quotes and unicode work; `*` and `?` make a glob over unquoted names.  A table's canonical
+name is `format('%I.%I', schema, table)` - the form events carry in ev_extra1.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+import psycopg
+
+from pgcascade.errors import UserError
+
+SYSTEM_SCHEMAS = ("pg_catalog", "information_schema", "pgcascade", "pg_toast")
+
+
+@dataclass(frozen=True)
+class TableRef:
+    schema: str
+    name: str
+    canonical: str  # format('%I.%I', schema, name)
+    oid: int
+
+
+def split_name(conn: psycopg.Connection, name: str) -> tuple[str, str]:
+    """'t' -> ('public', 't'); 's.t' -> ('s', 't'); quoted parts keep their case and characters."""
+    try:
+        parts = conn.execute("select parse_ident(%s)", (name,)).fetchone()[0]
+    except psycopg.Error:
+        raise UserError(f"invalid table name: {name!r}") from None
+    if len(parts) == 1:
+        return "public", parts[0]
+    if len(parts) == 2:
+        return parts[0], parts[1]
+    raise UserError(f"invalid table name (schema.table expected): {name!r}")
+
+
+def _relations(conn: psycopg.Connection, kinds: str) -> list[TableRef]:
+    rows = conn.execute(
+        "select n.nspname, c.relname, format('%%I.%%I', n.nspname, c.relname), c.oid::int8"
+        " from pg_class c join pg_namespace n on n.oid = c.relnamespace"
+        " where c.relkind = any(%s) and not c.relispartition and n.nspname <> all(%s)"
+        " and n.nspname not like 'pg\\_temp%%' order by 1, 2",
+        (list(kinds), list(SYSTEM_SCHEMAS)),
+    ).fetchall()
+    return [TableRef(*r) for r in rows]
+
+
+def resolve(
+    conn: psycopg.Connection, patterns: list[str], kinds: str = "rp", what: str = "table"
+) -> list[TableRef]:
+    """The relations that names or globs denote; an unmatched name is an error naming it."""
+    found: dict[str, TableRef] = {}
+    existing = None
+    for pat in patterns:
+        if "*" in pat or "?" in pat:
+            existing = existing if existing is not None else _relations(conn, kinds)
+            sch, _, tab = pat.rpartition(".")
+            sch = sch or "public"
+            matches = [
+                t for t in existing if fnmatch.fnmatchcase(t.schema, sch) and fnmatch.fnmatchcase(t.name, tab)
+            ]
+            if not matches:
+                raise UserError(f"no {what} matches {pat!r}")
+            for t in matches:
+                found[t.canonical] = t
+            continue
+        sch, tab = split_name(conn, pat)
+        row = conn.execute(
+            "select n.nspname, c.relname, format('%%I.%%I', n.nspname, c.relname), c.oid::int8"
+            " from pg_class c join pg_namespace n on n.oid = c.relnamespace"
+            " where n.nspname = %s and c.relname = %s and c.relkind = any(%s)",
+            (sch, tab, list(kinds)),
+        ).fetchone()
+        if row is None:
+            raise UserError(f"{what} {pat!r} does not exist (looked for {sch}.{tab})")
+        t = TableRef(*row)
+        found[t.canonical] = t
+    return list(found.values())
+
+
+def all_tables(conn: psycopg.Connection) -> list[TableRef]:
+    return _relations(conn, "rp")
+
+
+def primary_key(conn: psycopg.Connection, oid: int) -> list[str] | None:
+    row = conn.execute(
+        "select array_agg(a.attname::text order by k.ord) from pg_index i"
+        " cross join lateral unnest(i.indkey) with ordinality k(attnum, ord)"
+        " join pg_attribute a on a.attrelid = i.indrelid and a.attnum = k.attnum"
+        " where i.indrelid = %s and i.indisprimary",
+        (oid,),
+    ).fetchone()
+    return row[0] if row and row[0] else None
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    type: str  # format_type()
+    not_null: bool
+    generated: bool
+    identity: bool
+    has_default: bool
+
+
+def columns(conn: psycopg.Connection, table: str) -> list[Column]:
+    """The columns of `table` (a canonical name), in order."""
+    rows = conn.execute(
+        "select attname::text, format_type(atttypid, atttypmod), attnotnull, attgenerated <> '',"
+        " attidentity <> '', atthasdef from pg_attribute"
+        " where attrelid = %s::regclass and attnum > 0 and not attisdropped order by attnum",
+        (table,),
+    ).fetchall()
+    return [Column(*r) for r in rows]
+
+
+def has_unique_index_on(conn: psycopg.Connection, table: str, keys: list[str]) -> bool:
+    """Whether a valid, non-partial unique index covers exactly `keys` (needed by ON CONFLICT)."""
+    row = conn.execute(
+        "select exists (select 1 from pg_index i where i.indrelid = %s::regclass and i.indisunique"
+        " and i.indisvalid and i.indpred is null and i.indexprs is null"
+        " and (select array_agg(a.attname::text order by a.attname) from pg_attribute a"
+        "      where a.attrelid = i.indrelid and a.attnum = any(i.indkey))"
+        "     = (select array_agg(k order by k) from unnest(%s::text[]) k)"
+        " and cardinality(i.indkey) = cardinality(%s::text[]))",
+        (table, keys, keys),
+    ).fetchone()
+    return bool(row[0])
+
+
+def table_exists(conn: psycopg.Connection, table: str) -> bool:
+    return conn.execute("select to_regclass(%s) is not null", (table,)).fetchone()[0]

@@ -1,0 +1,260 @@
+"""The copy process: initial copy of one table and its hand-over to the worker (seed 000).
+
+States this process owns, and what it does in each:
+
+    in-copy      register a consumer of its own on the provider's queue, then copy the table
+                 under a REPEATABLE READ snapshot, in one subscriber transaction: drop indexes
+                 and constraints, truncate, COPY, restore them, record the snapshot, set
+                 catching-up.  Dying here rolls it all back; a restart copies again.
+    catching-up  replay this table's events from its own consumer, skipping those visible in
+                 the copy's snapshot (they are in the copied rows), until no batch is waiting;
+                 then wanna-sync:<its tick>.
+    do-sync:T    catch up to exactly tick T, where the worker waits; set ok and leave.
+
+Each batch it applies records its tick in `subscriber_table.copy_tick` in the same transaction,
+so a copy process killed at any moment continues where it was, applying nothing twice.
+The COPY streams bytes from one connection to the other; rows never become Python objects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+
+import psycopg
+from psycopg import sql
+
+from pgcascade import catalog, subscriber
+from pgcascade import node as nodes
+from pgcascade import queue as q
+from pgcascade.apply import TableApplier, apply_staged, stage_batch
+from pgcascade.config import JobConfig
+from pgcascade.daemon import Daemon
+from pgcascade.errors import UserError
+from pgcascade.replay import next_batch, provider_formats, state_tick
+
+log = logging.getLogger("pgcascade.copy")
+
+PROGRESS_EVERY = 5.0  # seconds between progress lines
+
+
+def copy_consumer_name(worker_name: str, table: str) -> str:
+    return f"{worker_name}.copy.{table}"
+
+
+class SavedDefinitions:
+    """Indexes and constraints of a table (and foreign keys pointing at it), dropped around COPY."""
+
+    def __init__(self, conn: psycopg.Connection, table: str):
+        self.constraints = conn.execute(
+            "select format('%%I.%%I', n.nspname, c.relname), con.conname, pg_get_constraintdef(con.oid), con.contype"
+            " from pg_constraint con join pg_class c on c.oid = con.conrelid"
+            " join pg_namespace n on n.oid = c.relnamespace"
+            " where (con.conrelid = %s::regclass and con.contype in ('p', 'u', 'x', 'f'))"
+            "    or (con.confrelid = %s::regclass and con.contype = 'f' and con.conrelid <> %s::regclass)"
+            " order by con.contype = 'f' desc",
+            (table, table, table),
+        ).fetchall()
+        self.indexes = conn.execute(
+            "select format('%%I.%%I', n.nspname, ic.relname), pg_get_indexdef(i.indexrelid)"
+            " from pg_index i join pg_class ic on ic.oid = i.indexrelid join pg_namespace n on n.oid = ic.relnamespace"
+            " where i.indrelid = %s::regclass"
+            " and not exists (select 1 from pg_constraint con where con.conindid = i.indexrelid)",
+            (table,),
+        ).fetchall()
+
+    def drop(self, conn: psycopg.Connection) -> None:
+        for owner, name, _, _ in self.constraints:  # foreign keys first: they depend on the keys
+            conn.execute(
+                sql.SQL("alter table {} drop constraint {}").format(sql.SQL(owner), sql.Identifier(name))
+            )
+        for name, _ in self.indexes:
+            conn.execute(sql.SQL("drop index {}").format(sql.SQL(name)))
+
+    def restore(self, conn: psycopg.Connection) -> None:
+        for _, ddl in self.indexes:
+            conn.execute(ddl.encode())
+        for owner, name, definition, contype in reversed(self.constraints):
+            add = sql.SQL("alter table {} add constraint {} {}").format(
+                sql.SQL(owner), sql.Identifier(name), sql.SQL(definition)
+            )
+            if contype != "f":
+                conn.execute(add)
+                continue
+            # a foreign key may point at rows another table has not received yet: add it
+            # NOT VALID (enforcement is off under replication anyway) and validate when it holds
+            conn.execute(sql.SQL("{} not valid").format(add))
+            try:
+                with conn.transaction():
+                    conn.execute(
+                        sql.SQL("alter table {} validate constraint {}").format(
+                            sql.SQL(owner), sql.Identifier(name)
+                        )
+                    )
+            except psycopg.errors.ForeignKeyViolation:
+                log.warning(
+                    "foreign key %s on %s left NOT VALID: rows refer to rows not copied yet", name, owner
+                )
+
+
+def stream_copy(
+    prov: psycopg.Connection, sub: psycopg.Connection, table: str, dest: str, cols: list[str]
+) -> tuple[int, int]:
+    """COPY the table from the provider into dest; returns (rows, bytes).  Logs progress."""
+    collist = sql.SQL(", ").join(map(sql.Identifier, cols))
+    out = sql.SQL("copy (select {} from only {}) to stdout").format(collist, sql.SQL(table))
+    into = sql.SQL("copy {} ({}) from stdin").format(sql.SQL(dest), collist)
+    rows = moved = 0
+    started = last_report = time.monotonic()
+    with prov.cursor().copy(out) as src, sub.cursor().copy(into) as dst:
+        for block in src:
+            dst.write(block)
+            moved += len(block)
+            rows += block.count(b"\n")  # text COPY: one line per row, newlines in values are escaped
+            now = time.monotonic()
+            if now - last_report >= PROGRESS_EVERY:
+                last_report = now
+                rate = moved / (now - started) / 1e6
+                log.info("copy %s: %d rows, %.1f MB, %.1f MB/s", table, rows, moved / 1e6, rate)
+    return rows, moved
+
+
+class CopyProcess(Daemon):
+    name = "copy"
+
+    def __init__(self, cfg: JobConfig, table: str):
+        super().__init__(cfg)
+        if not cfg.queue_name or not cfg.db:
+            raise UserError(f"{cfg.path}: db and queue_name must be set")
+        self.queue = cfg.queue_name
+        self.table = table
+        self.loop_delay = 0.2
+        self.max_batch_events = int(cfg.raw.get("max_batch_events", 200000))
+        cfg.pidfile = None  # the worker's pidfile is not ours; copy_pid in the database tells who runs
+        self.sub = psycopg.connect(cfg.db, autocommit=True, connect_timeout=10)
+        self.sub.execute("set application_name = 'pgcascade copy'")
+        self.node = nodes.require_node(self.sub, self.queue)
+        self.prov_location = nodes.provider_location(self.sub, self.node)
+        self.prov = psycopg.connect(self.prov_location, autocommit=True, connect_timeout=10)
+        self.consumer = copy_consumer_name(self.node.worker_name or self.node.node_name, table)
+        self.applier: TableApplier | None = None
+
+    def table_state(self) -> subscriber.SubscriberTable | None:
+        return subscriber.get_table(self.sub, self.queue, self.table)
+
+    def work(self) -> bool:
+        st = self.table_state()
+        if st is None or st.state is None or st.state == "ok":
+            log.info(
+                "%s: state %s, nothing for a copy process to do", self.table, st.state if st else "(removed)"
+            )
+            self.stop_requested = True
+            return False
+        if st.copy_pid != os.getpid():
+            subscriber.set_state(self.sub, self.queue, self.table, st.state, copy_pid=os.getpid())
+        if st.state == "in-copy":
+            self.initial_copy(st)
+            return True
+        if st.state == "catching-up":
+            if self.apply_next_batch(st, max_tick=None):
+                return True
+            subscriber.set_state(self.sub, self.queue, self.table, f"wanna-sync:{st.copy_tick}")
+            log.info("%s: caught up at tick %d: wanna-sync:%d", self.table, st.copy_tick, st.copy_tick)
+            return False
+        if st.state.startswith("do-sync"):
+            target = state_tick(st.state)
+            if (st.copy_tick or 0) >= target:
+                self.finish(st)
+                return False
+            self.apply_next_batch(st, max_tick=target)
+            return True
+        return False  # wanna-sync: the worker's turn
+
+    def initial_copy(self, st: subscriber.SubscriberTable) -> None:
+        with contextlib.suppress(psycopg.errors.NoDataFound, psycopg.errors.RaiseException):
+            q.unregister_consumer(self.prov, self.queue, self.consumer)
+        q.register_consumer(self.prov, self.queue, self.consumer)
+        reg_tick = self.prov.execute(
+            "select last_tick from pgcascade.get_consumer_info(%s, %s)", (self.queue, self.consumer)
+        ).fetchone()[0]
+        started = time.monotonic()
+        dest_cols = {c.name for c in catalog.columns(self.sub, st.dest_table) if not c.generated}
+        cols = [
+            c.name for c in catalog.columns(self.prov, self.table) if c.name in dest_cols and not c.generated
+        ]
+        with psycopg.connect(self.prov_location, connect_timeout=10) as snap_conn:
+            snap_conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+            snap_conn.read_only = True
+            # the transaction's snapshot: every event committed before it is in the copied rows
+            snapshot = snap_conn.execute("select pg_current_snapshot()::text").fetchone()[0]
+            with self.sub.transaction():
+                self.sub.execute("set local session_replication_role = replica")
+                saved = SavedDefinitions(self.sub, st.dest_table)
+                saved.drop(self.sub)
+                if not st.skip_truncate:
+                    self.sub.execute(sql.SQL("truncate only {}").format(sql.SQL(st.dest_table)))
+                rows, moved = stream_copy(snap_conn, self.sub, self.table, st.dest_table, cols)
+                copied = time.monotonic()
+                saved.restore(self.sub)
+                subscriber.set_state(
+                    self.sub,
+                    self.queue,
+                    self.table,
+                    "catching-up",
+                    copy_snapshot=snapshot,
+                    copy_tick=reg_tick,
+                )
+        log.info(
+            "%s: copied %d rows (%.1f MB) in %.2fs, indexes and constraints in %.2fs: catching-up",
+            self.table,
+            rows,
+            moved / 1e6,
+            copied - started,
+            time.monotonic() - copied,
+        )
+
+    def apply_next_batch(self, st: subscriber.SubscriberTable, max_tick: int | None) -> bool:
+        info = next_batch(self.prov, self.queue, self.consumer, self.max_batch_events, max_tick)
+        if info.batch_id is None:
+            return False
+        if self.applier is None:
+            fmt = provider_formats(self.prov, self.queue).get(self.table, "json")
+            self.applier = TableApplier.build(self.sub, self.prov, st, fmt)
+        started = time.monotonic()
+        with self.sub.transaction():
+            self.sub.execute("set local session_replication_role = replica")
+            done = self.sub.execute(
+                "select copy_tick from pgcascade.subscriber_table where queue_name = %s and table_name = %s for update",
+                (self.queue, self.table),
+            ).fetchone()[0]
+            stats = None
+            if done is None or done < info.cur_tick_id:
+                stage_batch(self.prov, self.sub, info.batch_id, only_table=self.table)
+                stats = apply_staged(self.sub, {self.table: self.applier}, skip=st.copy_snapshot)
+                self.sub.execute(
+                    "update pgcascade.subscriber_table set copy_tick = %s where queue_name = %s and table_name = %s",
+                    (info.cur_tick_id, self.queue, self.table),
+                )
+        self.prov.execute("select pgcascade.finish_batch(%s)", (info.batch_id,))
+        if stats is not None:
+            log.info(
+                "%s: {count: %d, ignored: %d, duration: %.3f}",
+                self.table,
+                stats.count,
+                stats.ignored,
+                time.monotonic() - started,
+            )
+        return True
+
+    def finish(self, st: subscriber.SubscriberTable) -> None:
+        subscriber.set_state(self.sub, self.queue, self.table, "ok", copy_snapshot=None, copy_pid=None)
+        with contextlib.suppress(psycopg.Error):
+            q.unregister_consumer(self.prov, self.queue, self.consumer)
+        log.info("%s: in sync at tick %d: ok", self.table, st.copy_tick)
+        self.stop_requested = True
+
+    def shutdown(self) -> None:
+        for c in (self.sub, self.prov):
+            c.close()

@@ -1,0 +1,179 @@
+"""Cascade membership: which node this database is, its provider, and where nodes live.
+
+A set is one queue shared by its nodes.  The root owns the queue and captures changes; a leaf
+has no queue and replays its provider's batches.  A subscriber reads its provider's location
+from its own database (`node_location`), so changing provider needs no config edit.
+
+Role behaviour is decided once, in `NodeRole`, from the node type (the Skytools 3 table of
+what each node type does); the worker asks it instead of testing types everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psycopg
+from psycopg.rows import class_row
+
+from pgcascade import queue as q
+from pgcascade import schema
+from pgcascade.errors import RuntimeFailure, UserError
+
+
+@dataclass(frozen=True)
+class NodeRole:
+    """What a node of a given type does (seed 003, "Node behaviour")."""
+
+    node_type: str
+
+    @property
+    def has_queue(self) -> bool:
+        return self.node_type in ("root", "branch")
+
+    @property
+    def reads_provider_queue(self) -> bool:
+        return self.node_type in ("branch", "leaf")
+
+    @property
+    def copies_events(self) -> bool:
+        return self.node_type == "branch"
+
+    @property
+    def captures_changes(self) -> bool:
+        return self.node_type == "root"
+
+    @property
+    def may_merge_ticks(self) -> bool:
+        """A leaf cuts no batches of its own, so it may apply several ticks at once."""
+        return self.node_type == "leaf"
+
+
+@dataclass
+class Node:
+    queue_name: str
+    node_name: str
+    node_type: str
+    provider_node: str | None
+    worker_name: str | None
+    last_tick: int | None
+    paused: bool
+    last_error: str | None
+
+    @property
+    def role(self) -> NodeRole:
+        return NodeRole(self.node_type)
+
+
+def get_node(conn: psycopg.Connection, queue_name: str) -> Node | None:
+    if schema.installed_version(conn) == 0:
+        return None
+    with conn.cursor(row_factory=class_row(Node)) as cur:
+        return cur.execute(
+            "select queue_name, node_name, node_type, provider_node, worker_name, last_tick, paused, last_error"
+            " from pgcascade.node where queue_name = %s",
+            (queue_name,),
+        ).fetchone()
+
+
+def require_node(conn: psycopg.Connection, queue_name: str) -> Node:
+    node = get_node(conn, queue_name)
+    if node is None:
+        raise UserError(
+            f"this database is not a node of set {queue_name!r}: run create-root or create-leaf first"
+        )
+    return node
+
+
+def node_location(conn: psycopg.Connection, queue_name: str, node_name: str) -> str:
+    row = conn.execute(
+        "select node_location from pgcascade.node_location where queue_name = %s and node_name = %s",
+        (queue_name, node_name),
+    ).fetchone()
+    if row is None:
+        raise RuntimeFailure(f"location of node {node_name!r} is unknown in set {queue_name!r}")
+    return row[0]
+
+
+def provider_location(conn: psycopg.Connection, node: Node) -> str:
+    if not node.provider_node:
+        raise UserError(f"node {node.node_name} ({node.node_type}) has no provider")
+    return node_location(conn, node.queue_name, node.provider_node)
+
+
+def set_location(conn: psycopg.Connection, queue_name: str, node_name: str, location: str) -> None:
+    conn.execute(
+        "insert into pgcascade.node_location (queue_name, node_name, node_location) values (%s, %s, %s)"
+        " on conflict (queue_name, node_name) do update set node_location = excluded.node_location, dead = false",
+        (queue_name, node_name, location),
+    )
+
+
+def create_root(conn: psycopg.Connection, queue_name: str, node_name: str, location: str) -> bool:
+    """Install the schema, create the set's queue and register this database as its root."""
+    schema.install(conn)
+    existing = get_node(conn, queue_name)
+    if existing is not None:
+        if existing.node_name == node_name and existing.node_type == "root":
+            return False
+        raise UserError(
+            f"this database is already node {existing.node_name} ({existing.node_type}) of {queue_name}"
+        )
+    with conn.transaction():
+        q.create_queue(conn, queue_name)
+        conn.execute(
+            "insert into pgcascade.node (queue_name, node_name, node_type) values (%s, %s, 'root')",
+            (queue_name, node_name),
+        )
+        set_location(conn, queue_name, node_name, location)
+    return True
+
+
+def create_leaf(
+    conn: psycopg.Connection, queue_name: str, node_name: str, location: str, provider_connstr: str
+) -> bool:
+    """Install the schema here, register this node as a consumer on the provider's queue, and
+    record the provider's view of the set's locations."""
+    schema.install(conn)
+    existing = get_node(conn, queue_name)
+    if existing is not None:
+        if existing.node_name == node_name and existing.node_type == "leaf":
+            return False
+        raise UserError(
+            f"this database is already node {existing.node_name} ({existing.node_type}) of {queue_name}"
+        )
+    with psycopg.connect(provider_connstr, autocommit=True, connect_timeout=10) as prov:
+        pnode = get_node(prov, queue_name)
+        if pnode is None or not pnode.role.has_queue:
+            raise UserError(f"the provider is not a root or branch of set {queue_name!r}")
+        if pnode.node_name == node_name:
+            raise UserError(f"node name {node_name!r} is the provider's own name")
+        with prov.transaction():
+            q.register_consumer(prov, queue_name, node_name)
+            tick = prov.execute(
+                "select last_tick from pgcascade.get_consumer_info(%s, %s)", (queue_name, node_name)
+            ).fetchone()[0]
+            set_location(prov, queue_name, node_name, location)
+        locations = prov.execute(
+            "select node_name, node_location from pgcascade.node_location where queue_name = %s",
+            (queue_name,),
+        ).fetchall()
+    with conn.transaction():
+        conn.execute(
+            "insert into pgcascade.node (queue_name, node_name, node_type, provider_node, worker_name, last_tick)"
+            " values (%s, %s, 'leaf', %s, %s, %s)",
+            (queue_name, node_name, pnode.node_name, node_name, tick),
+        )
+        for name, loc in locations:
+            set_location(conn, queue_name, name, loc)
+        set_location(conn, queue_name, pnode.node_name, provider_connstr)
+        set_location(conn, queue_name, node_name, location)
+    return True
+
+
+def record_error(conn: psycopg.Connection, queue_name: str, message: str | None) -> None:
+    """Store (or clear, with None) the node's last error, in a transaction of its own."""
+    conn.execute(
+        "update pgcascade.node set last_error = %s, last_error_time = case when %s::text is null then null"
+        " else now() end where queue_name = %s",
+        (message, message, queue_name),
+    )

@@ -1,0 +1,297 @@
+"""The worker: replays the provider's batches into this node, exactly once.
+
+Per batch, one subscriber transaction (session_replication_role = replica) holds:
+the check that the batch is not applied yet (node.last_tick), the staged events, their
+set-based apply for the tables in state `ok`, the new last_tick, and the sequences.  Only
+then is the batch finished on the provider.  Dying anywhere leaves either the batch applied
+and recorded (then finished on restart without applying it again) or nothing.
+
+Between batches the worker drives the copy state machine (seed 000), owning the states NULL
+and wanna-sync:T; the copy processes it launches own the others (see copy.py):
+
+    NULL -> in-copy -> catching-up -> wanna-sync:T -> do-sync:T -> ok
+
+While a table is in wanna-sync:T the worker never goes past tick T (batches are capped at T);
+once at or past T it hands over with do-sync:<its tick>, and it applies nothing while a table
+is in do-sync, so the copy process catches up to exactly that tick before setting ok.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psycopg
+
+from pgcascade import node as nodes
+from pgcascade import subscriber
+from pgcascade.apply import ApplyError, TableApplier, apply_staged, stage_batch
+from pgcascade.config import JobConfig
+from pgcascade.daemon import Daemon, pid_alive
+from pgcascade.errors import UserError, db_error_line
+from pgcascade.queue import TICK_CHANNEL, BatchInfo
+
+log = logging.getLogger("pgcascade.replay")
+
+COPY_OWNED = ("in-copy", "catching-up", "do-sync")
+
+
+def next_batch(
+    prov: psycopg.Connection, queue: str, consumer: str, max_events: int | None, max_tick: int | None
+) -> BatchInfo:
+    with prov.cursor(row_factory=psycopg.rows.class_row(BatchInfo)) as cur:
+        return cur.execute(
+            "select * from pgcascade.next_batch_custom(%s, %s, %s, %s)",
+            (queue, consumer, max_events, max_tick),
+        ).fetchone()
+
+
+def state_tick(state: str | None) -> int | None:
+    """wanna-sync:T / do-sync:T -> T."""
+    if state and ":" in state:
+        return int(state.split(":", 1)[1])
+    return None
+
+
+def provider_formats(prov: psycopg.Connection, queue: str) -> dict[str, str]:
+    return dict(
+        prov.execute(
+            "select table_name, event_format from pgcascade.set_table where queue_name = %s", (queue,)
+        )
+    )
+
+
+def sync_sequences(prov: psycopg.Connection, sub: psycopg.Connection, queue: str) -> None:
+    """Move each followed sequence up to the provider's value (never down)."""
+    seqs = subscriber.seqs(sub, queue)
+    if not seqs:
+        return
+    values = dict(
+        prov.execute(
+            "select s, pg_sequence_last_value(s::regclass) from unnest(%s::text[]) s", ([s for s, _ in seqs],)
+        ).fetchall()
+    )
+    for seq, dest in seqs:
+        v = values.get(seq)
+        if v is not None:
+            sub.execute(
+                "select setval(%s::regclass, %s) where %s > coalesce(pg_sequence_last_value(%s::regclass), 0)",
+                (dest, v, v, dest),
+            )
+
+
+class Worker(Daemon):
+    name = "worker"
+
+    def __init__(self, cfg: JobConfig):
+        super().__init__(cfg)
+        if not cfg.queue_name:
+            raise UserError(f"{cfg.path}: queue_name is not set")
+        if not cfg.db:
+            raise UserError(f"{cfg.path}: db is not set")
+        self.queue = cfg.queue_name
+        self.sub: psycopg.Connection | None = None
+        self.prov: psycopg.Connection | None = None
+        self.appliers: dict[str, TableApplier] = {}
+        self.applier_key: tuple = ()
+        self.copies: dict[str, subprocess.Popen] = {}
+        self.reload()
+
+    def reload(self) -> None:
+        raw = self.cfg.raw
+        self.parallel_copies = int(raw.get("parallel_copies", 2))
+        self.max_batch_events = int(raw.get("max_batch_events", 200000))
+        self.loop_delay = float(raw.get("loop_delay", 1.0))
+
+    # --- connections ---
+    def connect(self) -> tuple[psycopg.Connection, psycopg.Connection, nodes.Node]:
+        if self.sub is None or self.sub.closed:
+            self.sub = psycopg.connect(self.cfg.db, autocommit=True, connect_timeout=10)
+            self.sub.execute("set application_name = 'pgcascade worker'")
+        node = nodes.require_node(self.sub, self.queue)
+        if not node.role.reads_provider_queue:
+            raise UserError(f"node {node.node_name} is the {node.node_type}: it has no worker to run")
+        if self.prov is None or self.prov.closed:
+            self.prov = psycopg.connect(
+                nodes.provider_location(self.sub, node), autocommit=True, connect_timeout=10
+            )
+            self.prov.execute(f"listen {TICK_CHANNEL}")
+        return self.sub, self.prov, node
+
+    def drop_connections(self) -> None:
+        for c in (self.sub, self.prov):
+            if c is not None:
+                c.close()
+        self.sub = self.prov = None
+
+    def sleep(self, seconds: float) -> None:
+        """Wait for the provider's next tick (NOTIFY), at most `seconds`."""
+        if self.prov is not None and not self.prov.closed:
+            try:
+                for _ in self.prov.notifies(timeout=seconds, stop_after=1):
+                    pass
+                return
+            except psycopg.Error:
+                self.drop_connections()
+        time.sleep(seconds)
+
+    # --- the loop ---
+    def work(self) -> bool:
+        try:
+            sub, prov, node = self.connect()
+            if node.paused:
+                return False
+            tables = subscriber.tables(sub, self.queue)
+            self.manage_copies(sub, node, tables)
+            if any((t.state or "").startswith("do-sync") for t in tables):
+                return False  # the copy process is catching up to our tick
+            caps = [state_tick(t.state) for t in tables if (t.state or "").startswith("wanna-sync")]
+            max_tick = min((c for c in caps if c is not None and c > (node.last_tick or 0)), default=None)
+            info = next_batch(
+                prov,
+                self.queue,
+                node.worker_name,
+                self.max_batch_events if node.role.may_merge_ticks else None,
+                max_tick,
+            )
+            if info.batch_id is None:
+                return False
+            self.process_batch(sub, prov, node, tables, info)
+            return True
+        except psycopg.OperationalError:
+            self.drop_connections()
+            raise
+
+    def process_batch(
+        self,
+        sub: psycopg.Connection,
+        prov: psycopg.Connection,
+        node: nodes.Node,
+        tables: list[subscriber.SubscriberTable],
+        info: BatchInfo,
+    ) -> None:
+        started = time.monotonic()
+        appliers = self.appliers_for(sub, prov, tables)
+        with sub.transaction():
+            sub.execute("set local session_replication_role = replica")
+            last = sub.execute(
+                "select last_tick from pgcascade.node where queue_name = %s for update", (self.queue,)
+            ).fetchone()[0]
+            if last is not None and last >= info.cur_tick_id:
+                log.info(
+                    "batch %d (tick %d) is applied already: finishing it", info.batch_id, info.cur_tick_id
+                )
+                stats = None
+            else:
+                stage_batch(prov, sub, info.batch_id)
+                stats = apply_staged(sub, appliers)
+                sub.execute(
+                    "update pgcascade.node set last_tick = %s, last_error = null, last_error_time = null"
+                    " where queue_name = %s",
+                    (info.cur_tick_id, self.queue),
+                )
+                sync_sequences(prov, sub, self.queue)
+        prov.execute("select pgcascade.finish_batch(%s)", (info.batch_id,))
+        if stats is not None:
+            if stats.executed:
+                self.applier_key = ()  # DDL ran: read the tables' definitions again
+            log.info(
+                "{count: %d, ignored: %d, duration: %.3f}",
+                stats.count,
+                stats.ignored,
+                time.monotonic() - started,
+            )
+
+    def appliers_for(
+        self, sub: psycopg.Connection, prov: psycopg.Connection, tables: list[subscriber.SubscriberTable]
+    ) -> dict[str, TableApplier]:
+        ok = [t for t in tables if t.state == "ok"]
+        key = tuple((t.table_name, t.dest_table) for t in ok)
+        if key != self.applier_key:
+            formats = provider_formats(prov, self.queue)
+            self.appliers = {
+                t.table_name: TableApplier.build(sub, prov, t, formats.get(t.table_name, "json")) for t in ok
+            }
+            self.applier_key = key
+        return self.appliers
+
+    def report_error(self, e: Exception) -> None:
+        message = db_error_line(e) if isinstance(e, psycopg.Error) else str(e)
+        with (
+            contextlib.suppress(psycopg.Error),
+            psycopg.connect(self.cfg.db, autocommit=True, connect_timeout=5) as c,
+        ):
+            nodes.record_error(c, self.queue, message)
+
+    # --- copy processes ---
+    def manage_copies(
+        self, sub: psycopg.Connection, node: nodes.Node, tables: list[subscriber.SubscriberTable]
+    ) -> None:
+        for name in [n for n, p in self.copies.items() if p.poll() is not None]:
+            del self.copies[name]
+        for t in tables:
+            if t.state == "ok":
+                continue
+            if (t.state or "").startswith("wanna-sync"):
+                wanted = state_tick(t.state) or 0
+                if (node.last_tick or 0) >= wanted:
+                    subscriber.set_state(sub, self.queue, t.table_name, f"do-sync:{node.last_tick}")
+                    log.info("%s: wanna-sync:%d -> do-sync:%d", t.table_name, wanted, node.last_tick)
+            if self.copy_running(t):
+                continue
+            if t.state is None:
+                if len(self.copies) >= self.parallel_copies:
+                    continue
+                subscriber.set_state(sub, self.queue, t.table_name, "in-copy")
+                log.info("%s: starting initial copy", t.table_name)
+            self.launch_copy(t.table_name)
+
+    def copy_running(self, t: subscriber.SubscriberTable) -> bool:
+        p = self.copies.get(t.table_name)
+        if p is not None and p.poll() is None:
+            return True
+        # a copy started by an earlier worker may still be at work
+        return bool(t.copy_pid) and pid_alive(t.copy_pid) and is_copy_process(t.copy_pid)
+
+    def launch_copy(self, table: str) -> None:
+        cmd = [sys.executable, "-m", "pgcascade", "-q", str(self.cfg.path), "copy", table]
+        self.copies[table] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+
+    def stop_copies(self) -> None:
+        """SIGTERM to every copy process of this node, ours or an earlier worker's (Londiste's -s/-k rule)."""
+        pids = {p.pid for p in self.copies.values() if p.poll() is None}
+        if self.sub is not None and not self.sub.closed:
+            with contextlib.suppress(psycopg.Error):
+                pids |= {t.copy_pid for t in subscriber.tables(self.sub, self.queue) if t.copy_pid}
+        for pid in pids:
+            if pid_alive(pid) and is_copy_process(pid):
+                log.info("stopping copy process %d", pid)
+                os.kill(pid, signal.SIGTERM)
+        for p in self.copies.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=10)
+
+    def on_kill(self) -> None:
+        self.stop_copies()
+
+    def shutdown(self) -> None:
+        self.stop_copies()
+        self.drop_connections()
+
+
+def is_copy_process(pid: int) -> bool:
+    """Whether `pid` runs a pgcascade copy (pids are reused: never signal a stranger)."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"pgcascade" in args and b"copy" in args
+
+
+__all__ = ["ApplyError", "Worker"]

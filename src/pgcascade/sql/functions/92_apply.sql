@@ -1,0 +1,46 @@
+-- pgcascade.apply_rows(table, dest, keys, cols, lo, hi, skip_snapshot) -> events applied.
+-- The row-at-a-time apply, in ev_id order, of one table's row events staged in
+-- pg_temp.pgcascade_stage with lo <= ev_id < hi.  Used where the set-based apply is unsafe:
+-- the seed's partial-SQL events, a destination without a unique index on the key, or a
+-- set-based attempt that broke another unique constraint.  Events visible in skip_snapshot
+-- (the provider snapshot of an initial copy) are already in the table and skipped.
+create or replace function pgcascade.apply_rows(
+    i_table text, i_dest regclass, i_keys text[], i_cols text[], i_lo int8, i_hi int8, i_skip pg_snapshot)
+returns int8
+language plpgsql as $$
+declare
+    r record;
+    n int8 := 0;
+    collist text := array_to_string(array(select quote_ident(c) from unnest(i_cols) c), ', ');
+    rcollist text := array_to_string(array(select 'r.' || quote_ident(c) from unnest(i_cols) c), ', ');
+    keycond text := array_to_string(array(select format('t.%I = r.%I', k, k) from unnest(i_keys) k), ' and ');
+    sql_ins text;
+    sql_upd text;
+    sql_del text;
+begin
+    sql_ins := format('insert into %s (%s) select %s from jsonb_populate_record(null::%s, $1) r',
+                      i_dest, collist, rcollist, i_dest);
+    sql_upd := format('update %s t set (%s) = (select %s) from jsonb_populate_record(null::%s, $1) r where %s',
+                      i_dest, collist, rcollist, i_dest, keycond);
+    sql_del := format('delete from %s t using jsonb_populate_record(null::%s, $1) r where %s', i_dest, i_dest, keycond);
+    for r in execute 'select ev_type, ev_data from pg_temp.pgcascade_stage'
+                     ' where ev_extra1 = $1 and ev_id >= $2 and ev_id < $3 and ev_type in (''I'', ''U'', ''D'')'
+                     ' and ($4 is null or not pg_visible_in_snapshot(ev_txid::text::xid8, $4)) order by ev_id'
+                   using i_table, i_lo, i_hi, i_skip loop
+        if left(r.ev_data, 1) = '{' then
+            case r.ev_type
+                when 'I' then execute sql_ins using r.ev_data::jsonb;
+                when 'U' then execute sql_upd using r.ev_data::jsonb;
+                else execute sql_del using r.ev_data::jsonb;
+            end case;
+        else
+            case r.ev_type
+                when 'I' then execute format('insert into %s %s', i_dest, r.ev_data);
+                when 'U' then execute format('update %s set %s', i_dest, r.ev_data);
+                else execute format('delete from %s where %s', i_dest, r.ev_data);
+            end case;
+        end if;
+        n := n + 1;
+    end loop;
+    return n;
+end $$;
