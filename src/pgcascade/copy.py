@@ -108,16 +108,17 @@ def stream_copy(
     into = sql.SQL("copy {} ({}) from stdin").format(sql.SQL(dest), collist)
     rows = moved = 0
     started = last_report = time.monotonic()
-    with prov.cursor().copy(out) as src, sub.cursor().copy(into) as dst:
-        for block in src:
-            dst.write(block)
-            moved += len(block)
-            rows += block.count(b"\n")  # text COPY: one line per row, newlines in values are escaped
-            now = time.monotonic()
-            if now - last_report >= PROGRESS_EVERY:
-                last_report = now
-                rate = moved / (now - started) / 1e6
-                log.info("copy %s: %d rows, %.1f MB, %.1f MB/s", table, rows, moved / 1e6, rate)
+    with prov.cursor() as out_cur, sub.cursor() as in_cur:
+        with out_cur.copy(out) as src, in_cur.copy(into) as dst:
+            for block in src:  # the server sends one message per row
+                dst.write(block)
+                moved += len(block)
+                rows += 1
+                if rows % 10000 == 0 and time.monotonic() - last_report >= PROGRESS_EVERY:
+                    last_report = time.monotonic()
+                    rate = moved / (last_report - started) / 1e6
+                    log.info("copy %s: %d rows, %.1f MB, %.1f MB/s", table, rows, moved / 1e6, rate)
+        rows = in_cur.rowcount if in_cur.rowcount >= 0 else rows
     return rows, moved
 
 

@@ -136,6 +136,12 @@ class Daemon:
         """Wait between rounds; a subclass may wait on LISTEN instead."""
         time.sleep(seconds)
 
+    def backoff_sleep(self, seconds: float) -> None:
+        """Wait after an error: real time (not woken by ticks), cut short by a stop request."""
+        deadline = time.monotonic() + seconds
+        while not self.stop_requested and time.monotonic() < deadline:
+            time.sleep(min(0.1, deadline - time.monotonic()))
+
     # --- lifecycle ---
     def start(self, detach: bool = False) -> int:
         if detach:
@@ -177,7 +183,7 @@ class Daemon:
                 )
                 log.debug("traceback", exc_info=True)
                 self.report_error(e)
-                self.sleep(self.error_backoff)
+                self.backoff_sleep(self.error_backoff)
                 continue
             if not busy and not self.stop_requested:
                 self.sleep(self.loop_delay)

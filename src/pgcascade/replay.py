@@ -147,8 +147,10 @@ class Worker(Daemon):
             sub, prov, node = self.connect()
             if node.paused:
                 return False
+            self.manage_copies(sub, node, subscriber.tables(sub, self.queue))
+            # read the states again: manage_copies may have handed a table over (do-sync),
+            # and no batch may be applied past that tick until the copy process says ok
             tables = subscriber.tables(sub, self.queue)
-            self.manage_copies(sub, node, tables)
             if any((t.state or "").startswith("do-sync") for t in tables):
                 return False  # the copy process is catching up to our tick
             caps = [state_tick(t.state) for t in tables if (t.state or "").startswith("wanna-sync")]
