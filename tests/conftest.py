@@ -166,6 +166,21 @@ def write_config(tmp_path: Path):
     return write
 
 
+def kill_processes_mentioning(marker: str) -> None:
+    """SIGKILL our own processes whose command line contains `marker` (a test's unique temp
+    path): the copy processes a SIGKILLed worker leaves behind."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline and "pgcascade" in cmdline:
+            with contextlib.suppress(OSError):
+                os.kill(int(entry.name), signal.SIGKILL)
+
+
 class Daemons:
     """Daemons started by a test; whatever is still running at the end is killed by pid."""
 
@@ -197,3 +212,100 @@ def daemons() -> Iterator[Daemons]:
     d = Daemons()
     yield d
     d.close()
+
+
+# --- a root and a leaf, with the CLI and daemons -------------------------------------------------
+
+
+def table_checksum(db: Database, table: str) -> tuple[int, str | None]:
+    """(rows, md5 of every row's text in key order): computed by PostgreSQL, not by pgcascade."""
+    with db.connect() as conn:
+        return conn.execute(
+            f"select count(*), md5(string_agg(t::text, E'\\n' order by t::text)) from {table} t"
+        ).fetchone()
+
+
+@dataclass
+class ReplicaSet:
+    root: Database
+    leaf: Database
+    tmp: Path
+    daemons: Daemons
+    queue: str = "rep"
+
+    def ini(self, name: str, db: Database, **extra: object) -> Path:
+        path = self.tmp / f"{name}.ini"
+        lines = [
+            "[pgcascade]",
+            f"job_name = {name}",
+            f"db = {db.connstr}",
+            f"queue_name = {self.queue}",
+            f"logfile = {self.tmp}/{name}.log",
+            f"pidfile = {self.tmp}/{name}.pid",
+            *(f"{k} = {v}" for k, v in extra.items()),
+        ]
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    @property
+    def root_ini(self) -> Path:
+        return self.tmp / "root.ini"
+
+    @property
+    def leaf_ini(self) -> Path:
+        return self.tmp / "leaf.ini"
+
+    def cli(
+        self, node: str, *args: str, check: bool = True, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
+        r = run_cli(str(self.tmp / f"{node}.ini"), *args, timeout=timeout)
+        if check:
+            assert r.returncode == 0, (
+                f"pgcascade {node} {' '.join(args)}: rc {r.returncode}\n{r.stdout}\n{r.stderr}"
+            )
+        return r
+
+    def setup(self, tables: list[str] | None = None, leaf_args: tuple[str, ...] = ("--create",)) -> None:
+        self.cli("root", "create-root", "root")
+        self.cli("leaf", "create-leaf", "leaf1", "--provider", self.root.connstr)
+        if tables:
+            self.cli("root", "add-table", *tables)
+            self.cli("leaf", "add-table", *tables, *leaf_args)
+
+    def start_ticker(self) -> subprocess.Popen:
+        ini = self.tmp / "ticker.ini"
+        ini.write_text(
+            f"[pgcascade]\njob_name = ticker\ndb = {self.root.connstr}\nlogfile = {self.tmp}/ticker.log\n"
+            f"pidfile = {self.tmp}/ticker.pid\nmaint_period = 1\n"
+        )
+        return self.daemons.start("ticker", str(ini))
+
+    def start_worker(self) -> subprocess.Popen:
+        return self.daemons.start(str(self.leaf_ini), "worker")
+
+    def wait_sync(self, timeout: float = 120) -> None:
+        self.cli("leaf", "wait-sync", "--timeout", str(timeout), timeout=timeout + 30)
+
+    def assert_equal(self, *tables: str) -> None:
+        for t in tables:
+            assert table_checksum(self.root, t) == table_checksum(self.leaf, t), f"{t} differs"
+
+    def log(self, name: str = "leaf") -> str:
+        p = self.tmp / f"{name}.log"
+        return p.read_text() if p.exists() else ""
+
+
+@pytest.fixture
+def replica(
+    make_db, tmp_path: Path, daemons: Daemons, request: pytest.FixtureRequest
+) -> Iterator[ReplicaSet]:
+    """A root database on cluster a and a leaf database on cluster b, with their configs."""
+    rs = ReplicaSet(make_db("a"), make_db("b"), tmp_path, daemons)
+    rs.ini("root", rs.root)
+    rs.ini("leaf", rs.leaf, parallel_copies=2)
+    yield rs
+    daemons.close()
+    kill_processes_mentioning(str(tmp_path))
+    if _failed(request):
+        for name in ("leaf", "ticker"):
+            print(f"\n----- {name}.log -----\n{rs.log(name)[-6000:]}")
