@@ -187,9 +187,13 @@ class Daemons:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, *args: str) -> subprocess.Popen:
+    def start(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        # output goes to the daemon's logfile; an unread pipe would block a chatty daemon
         p = subprocess.Popen(
-            [*PGCASCADE, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            [*PGCASCADE, *map(str, args)],
+            env={**os.environ, **env} if env else None,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         self.procs.append(p)
         return p
@@ -280,8 +284,8 @@ class ReplicaSet:
         )
         return self.daemons.start("ticker", str(ini))
 
-    def start_worker(self) -> subprocess.Popen:
-        return self.daemons.start(str(self.leaf_ini), "worker")
+    def start_worker(self, env: dict[str, str] | None = None) -> subprocess.Popen:
+        return self.daemons.start(str(self.leaf_ini), "worker", env=env)
 
     def wait_sync(self, timeout: float = 120) -> None:
         self.cli("leaf", "wait-sync", "--timeout", str(timeout), timeout=timeout + 30)

@@ -40,6 +40,14 @@ log = logging.getLogger("pgcascade.copy")
 PROGRESS_EVERY = 5.0  # seconds between progress lines
 
 
+def pause_point(name: str) -> None:
+    """Test hook: with PGCASCADE_PAUSE_AT=name in the environment, log and sleep here, so a
+    test can SIGKILL the process at exactly this point of the state machine."""
+    if os.environ.get("PGCASCADE_PAUSE_AT") == name:
+        log.info("pause point %s (pid %d)", name, os.getpid())
+        time.sleep(float(os.environ.get("PGCASCADE_PAUSE_SECONDS", "60")))
+
+
 def copy_consumer_name(worker_name: str, table: str) -> str:
     return f"{worker_name}.copy.{table}"
 
@@ -164,7 +172,10 @@ class CopyProcess(Daemon):
             subscriber.set_state(self.sub, self.queue, self.table, f"wanna-sync:{st.copy_tick}")
             log.info("%s: caught up at tick %d: wanna-sync:%d", self.table, st.copy_tick, st.copy_tick)
             return False
+        if st.state.startswith("wanna-sync"):
+            pause_point("wanna-sync")
         if st.state.startswith("do-sync"):
+            pause_point("do-sync")
             target = state_tick(st.state)
             if (st.copy_tick or 0) >= target:
                 self.finish(st)
@@ -198,6 +209,7 @@ class CopyProcess(Daemon):
                     self.sub.execute(sql.SQL("truncate only {}").format(sql.SQL(st.dest_table)))
                 rows, moved = stream_copy(snap_conn, self.sub, self.table, st.dest_table, cols)
                 copied = time.monotonic()
+                pause_point("in-copy")
                 saved.restore(self.sub)
                 subscriber.set_state(
                     self.sub,
@@ -238,6 +250,8 @@ class CopyProcess(Daemon):
                     "update pgcascade.subscriber_table set copy_tick = %s where queue_name = %s and table_name = %s",
                     (info.cur_tick_id, self.queue, self.table),
                 )
+        if st.state == "catching-up":
+            pause_point("catching-up")  # applied and recorded here, not yet finished on the provider
         self.prov.execute("select pgcascade.finish_batch(%s)", (info.batch_id,))
         if stats is not None:
             log.info(
