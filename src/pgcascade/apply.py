@@ -104,17 +104,19 @@ class TableApplier:
             if non_keys
             else sql.SQL("do nothing")
         )
+        # rows are made with json_populate_record, not jsonb's: jsonb would turn float -0 into 0
+        # and rewrite the text of json columns (whitespace, key order, duplicate keys)
         return sql.SQL(
             "with ev as ("
-            " select ev_id, ev_type, ev_data::jsonb as d from pg_temp.pgcascade_stage"
+            " select ev_id, ev_type, ev_data, ev_data::jsonb as d from pg_temp.pgcascade_stage"
             " where ev_extra1 = %(t)s and ev_id >= %(lo)s and ev_id < %(hi)s and ev_type in ('I', 'U', 'D')"
             " and (%(skip)s::pg_snapshot is null"
             "      or not pg_visible_in_snapshot(ev_txid::text::xid8, %(skip)s::pg_snapshot))),"
-            " net as (select distinct on ({keys}) ev_type, d from ev order by {keys}, ev_id desc),"
-            " del as (delete from {dest} t using net, jsonb_populate_record(null::{dest}, net.d) r"
+            " net as (select distinct on ({keys}) ev_type, ev_data from ev order by {keys}, ev_id desc),"
+            " del as (delete from {dest} t using net, json_populate_record(null::{dest}, net.ev_data::json) r"
             "         where net.ev_type = 'D' and {key_match})"
             " insert into {dest} ({cols}){overriding}"
-            " select {rcols} from net, jsonb_populate_record(null::{dest}, net.d) r where net.ev_type <> 'D'"
+            " select {rcols} from net, json_populate_record(null::{dest}, net.ev_data::json) r where net.ev_type <> 'D'"
             " on conflict ({keycols}) {on_conflict}"
         ).format(
             keys=key_exprs,

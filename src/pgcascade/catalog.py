@@ -133,5 +133,10 @@ def has_unique_index_on(conn: psycopg.Connection, table: str, keys: list[str]) -
     return bool(row[0])
 
 
+def is_partitioned(conn: psycopg.Connection, table: str) -> bool:
+    """A partitioned table has no rows of its own: ONLY would copy or truncate nothing (or fail)."""
+    return conn.execute("select relkind = 'p' from pg_class where oid = %s::regclass", (table,)).fetchone()[0]
+
+
 def table_exists(conn: psycopg.Connection, table: str) -> bool:
     return conn.execute("select to_regclass(%s) is not null", (table,)).fetchone()[0]

@@ -112,7 +112,8 @@ def stream_copy(
 ) -> tuple[int, int]:
     """COPY the table from the provider into dest; returns (rows, bytes).  Logs progress."""
     collist = sql.SQL(", ").join(map(sql.Identifier, cols))
-    out = sql.SQL("copy (select {} from only {}) to stdout").format(collist, sql.SQL(table))
+    only = sql.SQL("" if catalog.is_partitioned(prov, table) else "only ")
+    out = sql.SQL("copy (select {} from {}{}) to stdout").format(collist, only, sql.SQL(table))
     into = sql.SQL("copy {} ({}) from stdin").format(sql.SQL(dest), collist)
     rows = moved = 0
     started = last_report = time.monotonic()
@@ -206,7 +207,8 @@ class CopyProcess(Daemon):
                 saved = SavedDefinitions(self.sub, st.dest_table)
                 saved.drop(self.sub)
                 if not st.skip_truncate:
-                    self.sub.execute(sql.SQL("truncate only {}").format(sql.SQL(st.dest_table)))
+                    only = "" if catalog.is_partitioned(self.sub, st.dest_table) else "only "
+                    self.sub.execute(sql.SQL(f"truncate {only}{{}}").format(sql.SQL(st.dest_table)))
                 rows, moved = stream_copy(snap_conn, self.sub, self.table, st.dest_table, cols)
                 copied = time.monotonic()
                 pause_point("in-copy")

@@ -20,21 +20,21 @@ create or replace function pgcascade.capture_sql_insert_expr(i_alias text, i_col
 language sql immutable as $$
     select format('%L || %s || %L',
                   '(' || array_to_string(array(select quote_ident(c) from unnest(i_cols) c), ', ') || ') values (',
-                  array_to_string(array(select format('quote_nullable(%s.%I)', i_alias, c) from unnest(i_cols) c),
+                  array_to_string(array(select format('quote_nullable(%s.%I::text)', i_alias, c) from unnest(i_cols) c),
                                   ' || '', '' || '),
                   ')')
 $$;
 
 create or replace function pgcascade.capture_sql_where_expr(i_alias text, i_keys text[]) returns text
 language sql immutable as $$
-    select array_to_string(array(select format('%L || quote_nullable(%s.%I)', quote_ident(k) || '=', i_alias, k)
+    select array_to_string(array(select format('%L || quote_nullable(%s.%I::text)', quote_ident(k) || '=', i_alias, k)
                                    from unnest(i_keys) k), ' || '' and '' || ')
 $$;
 
 create or replace function pgcascade.capture_sql_update_expr(i_alias text, i_old text, i_cols text[], i_keys text[])
 returns text
 language sql immutable as $$
-    select array_to_string(array(select format('%L || quote_nullable(%s.%I)', quote_ident(c) || '=', i_alias, c)
+    select array_to_string(array(select format('%L || quote_nullable(%s.%I::text)', quote_ident(c) || '=', i_alias, c)
                                    from unnest(i_cols) c), ' || '', '' || ')
            || ' || '' where '' || ' || pgcascade.capture_sql_where_expr(i_old, i_keys)
 $$;
@@ -55,6 +55,11 @@ declare
     img_upd text;
     join_cond text;
     body text;
+    -- the row images must not depend on the writing session's output settings: a range of
+    -- timestamps in DateStyle 'SQL, DMY', a float with extra_float_digits = 0, an interval in
+    -- sql_standard style would reach the subscriber as another value (or none)
+    fn_settings text := ' set datestyle = ''ISO, MDY'' set intervalstyle = postgres'
+                        ' set extra_float_digits = 3 set bytea_output = hex';
 begin
     perform pgcascade.find_queue(i_queue);
     if i_format not in ('json', 'sql') then
@@ -100,12 +105,12 @@ begin
     end if;
     return null;
 end $f$;
-    execute format('create or replace function pgcascade.%I() returns trigger language plpgsql as %L',
-        fn || '_ins', format(body, format(q_insert, '''I''', img_new, 'pgcascade_new n'), 'pgcascade_new', i_queue, i_queue));
-    execute format('create or replace function pgcascade.%I() returns trigger language plpgsql as %L',
-        fn || '_del', format(body, format(q_insert, '''D''', img_old, 'pgcascade_old o'), 'pgcascade_old', i_queue, i_queue));
-    execute format('create or replace function pgcascade.%I() returns trigger language plpgsql as %L',
-        fn || '_upd', format(body, format(q_insert,
+    execute format('create or replace function pgcascade.%I() returns trigger language plpgsql%s as %L',
+        fn || '_ins', fn_settings, format(body, format(q_insert, '''I''', img_new, 'pgcascade_new n'), 'pgcascade_new', i_queue, i_queue));
+    execute format('create or replace function pgcascade.%I() returns trigger language plpgsql%s as %L',
+        fn || '_del', fn_settings, format(body, format(q_insert, '''D''', img_old, 'pgcascade_old o'), 'pgcascade_old', i_queue, i_queue));
+    execute format('create or replace function pgcascade.%I() returns trigger language plpgsql%s as %L',
+        fn || '_upd', fn_settings, format(body, format(q_insert,
             format('case when o.%I is null then ''I'' when n.%I is null then ''D'' else ''U'' end', i_keys[1], i_keys[1]),
             format('case when o.%I is null then %s when n.%I is null then %s else %s end',
                    i_keys[1], img_new, i_keys[1], img_old, img_upd),
