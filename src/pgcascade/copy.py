@@ -40,10 +40,10 @@ log = logging.getLogger("pgcascade.copy")
 PROGRESS_EVERY = 5.0  # seconds between progress lines
 
 
-def pause_point(name: str) -> None:
+def pause_point(name: str, table: str) -> None:
     """Test hook: with PGCASCADE_PAUSE_AT=name in the environment, log and sleep here, so a
     test can SIGKILL the process at exactly this point of the state machine."""
-    if os.environ.get("PGCASCADE_PAUSE_AT") == name:
+    if os.environ.get("PGCASCADE_PAUSE_AT") == name and os.environ.get("PGCASCADE_PAUSE_TABLE") in (None, table):
         log.info("pause point %s (pid %d)", name, os.getpid())
         time.sleep(float(os.environ.get("PGCASCADE_PAUSE_SECONDS", "60")))
 
@@ -170,13 +170,18 @@ class CopyProcess(Daemon):
         if st.state == "catching-up":
             if self.apply_next_batch(st, max_tick=None):
                 return True
+            covered = self.prov.execute(
+                "select pgcascade.tick_covers_snapshot(%s, %s, %s::pg_snapshot)",
+                (self.queue, st.copy_tick, st.copy_snapshot),
+            ).fetchone()[0]
+            if not covered:
+                return False  # hand over only at a tick taken after the copy's snapshot
             subscriber.set_state(self.sub, self.queue, self.table, f"wanna-sync:{st.copy_tick}")
             log.info("%s: caught up at tick %d: wanna-sync:%d", self.table, st.copy_tick, st.copy_tick)
+            pause_point("wanna-sync", self.table)
             return False
-        if st.state.startswith("wanna-sync"):
-            pause_point("wanna-sync")
         if st.state.startswith("do-sync"):
-            pause_point("do-sync")
+            pause_point("do-sync", self.table)
             target = state_tick(st.state)
             if (st.copy_tick or 0) >= target:
                 self.finish(st)
@@ -202,6 +207,7 @@ class CopyProcess(Daemon):
             snap_conn.read_only = True
             # the transaction's snapshot: every event committed before it is in the copied rows
             snapshot = snap_conn.execute("select pg_current_snapshot()::text").fetchone()[0]
+            log.info("%s: copying under snapshot %s, catch-up from tick %d", self.table, snapshot, reg_tick)
             with self.sub.transaction():
                 self.sub.execute("set local session_replication_role = replica")
                 saved = SavedDefinitions(self.sub, st.dest_table)
@@ -211,7 +217,7 @@ class CopyProcess(Daemon):
                     self.sub.execute(sql.SQL(f"truncate {only}{{}}").format(sql.SQL(st.dest_table)))
                 rows, moved = stream_copy(snap_conn, self.sub, self.table, st.dest_table, cols)
                 copied = time.monotonic()
-                pause_point("in-copy")
+                pause_point("in-copy", self.table)
                 saved.restore(self.sub)
                 subscriber.set_state(
                     self.sub,
@@ -253,7 +259,7 @@ class CopyProcess(Daemon):
                     (info.cur_tick_id, self.queue, self.table),
                 )
         if st.state == "catching-up":
-            pause_point("catching-up")  # applied and recorded here, not yet finished on the provider
+            pause_point("catching-up", self.table)  # applied and recorded here, not yet finished on the provider
         self.prov.execute("select pgcascade.finish_batch(%s)", (info.batch_id,))
         if stats is not None:
             log.info(

@@ -44,3 +44,16 @@ begin
     end loop;
     return n;
 end $$;
+
+-- pgcascade.tick_covers_snapshot(queue, tick_id, snapshot) -> whether every transaction visible in
+-- `snapshot` is visible in the tick's snapshot too.  A copy process hands its table over only
+-- at such a tick: events after it are then certainly not in the copied rows.
+create or replace function pgcascade.tick_covers_snapshot(i_queue_name text, i_tick_id int8, i_snapshot pg_snapshot)
+returns bool
+language sql stable as $$
+    select pg_snapshot_xmax(t.tick_snapshot) >= pg_snapshot_xmax(i_snapshot)
+           and not exists (select 1 from pg_snapshot_xip(t.tick_snapshot) x
+                            where x < pg_snapshot_xmax(i_snapshot) and pg_visible_in_snapshot(x, i_snapshot))
+      from pgcascade.tick t join pgcascade.queue q on q.queue_id = t.tick_queue
+     where q.queue_name = i_queue_name and t.tick_id = i_tick_id
+$$;
