@@ -186,16 +186,23 @@ class Daemons:
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
+        self.outputs: list[Path] = []
 
     def start(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-        # output goes to the daemon's logfile; an unread pipe would block a chatty daemon
-        p = subprocess.Popen(
-            [*PGCASCADE, *map(str, args)],
-            env={**os.environ, **env} if env else None,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        """Start `pgcascade ARGS`; its output goes to a file (an unread pipe would block a
+        chatty daemon), read back with `p.output()`."""
+        fd, name = tempfile.mkstemp(prefix="pgcascade-daemon-", suffix=".out")
+        path = Path(name)
+        with os.fdopen(fd, "wb") as out:
+            p = subprocess.Popen(
+                [*PGCASCADE, *map(str, args)],
+                env={**os.environ, **env} if env else None,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        p.output = lambda: path.read_text(errors="replace")  # type: ignore[attr-defined]
         self.procs.append(p)
+        self.outputs.append(path)
         return p
 
     @staticmethod
@@ -209,6 +216,10 @@ class Daemons:
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGKILL)
                 p.wait(timeout=30)
+        for f in self.outputs:
+            with contextlib.suppress(OSError):
+                f.unlink()
+        self.outputs.clear()
 
 
 @pytest.fixture

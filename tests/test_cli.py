@@ -304,7 +304,7 @@ def test_password_never_appears_in_output_or_log(tmp_path, write_config, cli, da
     r = cli("ticker", cfg, "-s")
     assert r.returncode == 0, r.stderr
     assert p.wait(timeout=10) == 0
-    outputs += [p.stdout.read(), r.stdout, r.stderr]
+    outputs += [p.output(), r.stdout, r.stderr]
     text = log.read_text()
     assert "db app: connection failed" in text
     assert all("s3cr3t" not in o for o in outputs), outputs
@@ -342,4 +342,4 @@ def test_wrong_password_is_not_shown(private_cluster, tmp_path, write_config, cl
         lambda: log.exists() and "password authentication failed" in log.read_text(), 10, what="the log"
     )
     daemons.kill(p, signal.SIGTERM)
-    assert "s3cr3t" not in log.read_text() + p.stdout.read()
+    assert "s3cr3t" not in log.read_text() + p.output()

@@ -193,3 +193,26 @@ def test_pgbench_backlog_is_caught_up_in_merged_batches(bench_replica):
     assert_applied_once(r)
     counts = [int(c) for c in re.findall(r"\{count: (\d+),", r.log())]
     assert max(counts) >= 6000, "a worker behind should apply several ticks per batch"
+
+
+def test_table_removed_on_the_root_leaves_the_subscriber(replica):
+    with replica.root.connect() as conn:
+        conn.execute("create table t1 (id int primary key)")
+        conn.execute("create table t2 (id int primary key)")
+        conn.execute("insert into t2 values (1)")
+    replica.setup(["t1", "t2"])
+    replica.start_ticker()
+    replica.start_worker()
+    replica.wait_sync()
+    replica.cli("root", "remove-table", "t2")
+    with replica.root.connect() as conn:
+        conn.execute("insert into t1 values (1)")
+        conn.execute("insert into t2 values (2)")  # no longer captured
+    replica.wait_sync()
+    assert replica.cli("leaf", "tables").stdout.split() == ["public.t1", "ok"]
+    replica.assert_equal("t1")
+    with replica.leaf.connect() as conn:
+        assert conn.execute("select array_agg(id) from t2").fetchone()[0] == [
+            1
+        ]  # the table and its rows stay
+        conn.execute("insert into t2 values (3)")  # and it is an ordinary table again

@@ -73,6 +73,8 @@ class TableApplier:
     cols: list[str]  # columns both sides have (not generated on the subscriber)
     set_based: bool
     set_sql: sql.Composed | None = field(default=None, repr=False)
+    event_format: str = "json"
+    dest_names: frozenset[str] = frozenset()  # every column of dest when cols was computed
 
     @classmethod
     def build(
@@ -84,9 +86,28 @@ class TableApplier:
         identity = any(c.identity for c in dest_cols if c.name in cols)
         set_based = event_format == "json" and catalog.has_unique_index_on(sub, st.dest_table, st.key_columns)
         a = cls(st.table_name, st.dest_table, st.key_columns, cols, set_based)
+        a.event_format, a.dest_names = event_format, frozenset(c.name for c in dest_cols)
         if set_based:
             a.set_sql = a._set_based_sql(identity)
         return a
+
+    def after_ddl(self, sub: psycopg.Connection) -> None:
+        """A script from the queue ran here as on the provider: a column it added exists on both
+        sides, and the batch's later events carry it, so they must be applied with it."""
+        if not catalog.table_exists(sub, self.dest):
+            return
+        dest_cols = catalog.columns(sub, self.dest)
+        self.cols = [
+            c.name
+            for c in dest_cols
+            if not c.generated and (c.name in self.cols or c.name not in self.dest_names)
+        ]
+        self.dest_names = frozenset(c.name for c in dest_cols)
+        self.set_based = self.event_format == "json" and catalog.has_unique_index_on(
+            sub, self.dest, self.keys
+        )
+        identity = any(c.identity for c in dest_cols if c.name in self.cols)
+        self.set_sql = self._set_based_sql(identity) if self.set_based else None
 
     def _set_based_sql(self, identity: bool) -> sql.Composed:
         dest = sql.SQL(self.dest)  # canonical name, quoted by the server
@@ -155,6 +176,7 @@ class BatchStats:
     count: int = 0
     ignored: int = 0
     executed: int = 0  # EXECUTE (DDL) events run
+    table_list: list[str] | None = None  # the set's tables, from the last T event
 
 
 def apply_staged(
@@ -193,7 +215,11 @@ def apply_staged(
                 except psycopg.Error as e:
                     raise ApplyError(f"EXECUTE {ev_extra1 or ''} (event {ev_id}): {db_error_line(e)}") from e
                 stats.executed += 1
-        elif ev_type != "T":
+                for a in appliers.values():
+                    a.after_ddl(sub)
+        elif ev_type == "T":
+            stats.table_list = [t for t in (ev_data or "").split(",") if t]
+        else:
             stats.ignored += 1
     return stats
 

@@ -193,6 +193,8 @@ class Worker(Daemon):
             else:
                 stage_batch(prov, sub, info.batch_id)
                 stats = apply_staged(sub, appliers)
+                if stats.table_list is not None:
+                    self.drop_tables_left_the_set(sub, prov, tables, stats.table_list)
                 sub.execute(
                     "update pgcascade.node set last_tick = %s, last_error = null, last_error_time = null"
                     " where queue_name = %s",
@@ -209,6 +211,23 @@ class Worker(Daemon):
                 stats.ignored,
                 time.monotonic() - started,
             )
+
+    def drop_tables_left_the_set(
+        self,
+        sub: psycopg.Connection,
+        prov: psycopg.Connection,
+        tables: list[subscriber.SubscriberTable],
+        in_set: list[str],
+    ) -> None:
+        """The root removed tables from the set (a T event): unregister them here too (the seed's
+        rule) - those the provider does not have now either, so an old T event never removes a
+        table that was added back since."""
+        now_in_set = set(provider_formats(prov, self.queue))
+        gone = [t.table_name for t in tables if t.table_name not in in_set and t.table_name not in now_in_set]
+        if gone:
+            subscriber.remove_tables(sub, self.queue, gone)
+            self.applier_key = ()
+            log.info("removed from the set by the root: %s", ", ".join(gone))
 
     def appliers_for(
         self, sub: psycopg.Connection, prov: psycopg.Connection, tables: list[subscriber.SubscriberTable]
