@@ -432,6 +432,13 @@ def execute(ctx: Context, files: tuple[str, ...]) -> None:
             text = Path(f).read_text()
             with conn.transaction():
                 conn.execute(text.encode())
+                # the seed's partial-SQL capture names the columns: let it see the script's new ones
+                conn.execute(
+                    "select pgcascade.capture_enable(queue_name, table_name::regclass, key_columns, event_format)"
+                    " from pgcascade.set_table where queue_name = %s and event_format = 'sql'"
+                    " and to_regclass(table_name) is not null",
+                    (ctx.queue(),),
+                )
                 conn.execute(
                     "select pgcascade.insert_event(%s, 'EXECUTE', %s, %s, null, null, null)",
                     (ctx.queue(), text, Path(f).name),
@@ -506,6 +513,136 @@ def demo(seconds: float, keep: bool, queue_only: bool) -> None:
         from pgcascade.demo import run_demo
 
         run_demo(seconds=seconds, keep=keep)
+
+
+# --- Londiste 2 commands (seed 000): provider_db, subscriber_db, pgq_queue_name ------------------
+
+
+@cli.group("provider")
+def provider_group() -> None:
+    """Londiste 2 provider commands: they act on provider_db."""
+
+
+@provider_group.command("install")
+@pass_ctx
+def provider_install(ctx: Context) -> None:
+    """Make provider_db the root of the set (node "provider")."""
+    with ctx.connect(connstr=ctx.provider_db()) as conn:
+        created = nodes.create_root(conn, ctx.queue(), "provider", ctx.provider_db())
+    click.echo(f"provider of {ctx.queue()}: {'installed' if created else 'installed already'}")
+
+
+@provider_group.command("add")
+@click.argument("tables", nargs=-1, required=True)
+@click.option("--format", "event_format", default="json", show_default=True, help="json or sql.")
+@pass_ctx
+def provider_add(ctx: Context, tables: tuple[str, ...], event_format: str) -> None:
+    """Capture changes of TABLES on the provider."""
+    with ctx.connect(connstr=ctx.provider_db()) as conn:
+        ctx.node(conn)
+        added = capture.add_tables(conn, ctx.queue(), list(tables), event_format=event_format)
+    for t in added:
+        click.echo(f"added {t}")
+
+
+@provider_group.command("remove")
+@click.argument("tables", nargs=-1, required=True)
+@pass_ctx
+def provider_remove(ctx: Context, tables: tuple[str, ...]) -> None:
+    """Stop capturing TABLES (the tables and their rows stay)."""
+    with ctx.connect(connstr=ctx.provider_db()) as conn:
+        ctx.node(conn)
+        removed = capture.remove_tables(conn, ctx.queue(), list(tables))
+    for t in removed:
+        click.echo(f"removed {t}")
+
+
+@provider_group.command("tables")
+@pass_ctx
+def provider_tables(ctx: Context) -> None:
+    """List the tables the provider captures."""
+    with ctx.connect(connstr=ctx.provider_db()) as conn:
+        ctx.node(conn)
+        for t in capture.set_tables(conn, ctx.queue()):
+            click.echo(t)
+
+
+@provider_group.command("seqs")
+@pass_ctx
+def provider_seqs(ctx: Context) -> None:
+    """List the sequences the provider replicates."""
+    with ctx.connect(connstr=ctx.provider_db()) as conn:
+        ctx.node(conn)
+        for s in capture.set_seqs(conn, ctx.queue()):
+            click.echo(s)
+
+
+@cli.group("subscriber")
+def subscriber_group() -> None:
+    """Londiste 2 subscriber commands: they act on subscriber_db."""
+
+
+@subscriber_group.command("install")
+@pass_ctx
+def subscriber_install(ctx: Context) -> None:
+    """Make subscriber_db a leaf of the set fed by provider_db (node named after job_name)."""
+    with ctx.connect() as conn:
+        created = nodes.create_leaf(conn, ctx.queue(), ctx.cfg.job_name, ctx.db(), ctx.provider_db())
+    click.echo(
+        f"subscriber {ctx.cfg.job_name} of {ctx.queue()}: {'installed' if created else 'installed already'}"
+    )
+
+
+@subscriber_group.command("add")
+@click.argument("tables", nargs=-1, required=True)
+@click.option("--expect-sync", is_flag=True, help="The table is in sync already; skip the copy.")
+@click.option("--skip-truncate", is_flag=True, help="Keep the rows already there when copying.")
+@click.option("--force", is_flag=True, help="Skip the structure check.")
+@click.option("--create", is_flag=True, help="Create the table from the provider's definition.")
+@pass_ctx
+def subscriber_add(ctx: Context, tables: tuple[str, ...], **opts) -> None:
+    """Replicate TABLES (the provider captures them already) into subscriber_db."""
+    with ctx.connect() as conn:
+        node = ctx.node(conn)
+        with ctx.provider(conn, node) as prov:
+            added = subscriber.add_tables(conn, prov, ctx.queue(), list(tables), **opts)
+    for t in added:
+        click.echo(f"added {t}")
+
+
+@subscriber_group.command("remove")
+@click.argument("tables", nargs=-1, required=True)
+@pass_ctx
+def subscriber_remove(ctx: Context, tables: tuple[str, ...]) -> None:
+    """Stop replicating TABLES (the tables and their rows stay)."""
+    with ctx.connect() as conn:
+        ctx.node(conn)
+        removed = subscriber.remove_tables(conn, ctx.queue(), list(tables))
+    for t in removed:
+        click.echo(f"removed {t}")
+
+
+@subscriber_group.command("resync")
+@click.argument("tables", nargs=-1, required=True)
+@pass_ctx
+def subscriber_resync(ctx: Context, tables: tuple[str, ...]) -> None:
+    """Copy TABLES again."""
+    with ctx.connect() as conn:
+        ctx.node(conn)
+        for t in subscriber.resync_tables(conn, ctx.queue(), list(tables)):
+            click.echo(f"resync {t}")
+
+
+@cli.command()
+@daemon_switches
+@pass_ctx
+def replay(ctx: Context, detach: bool, ctl: str | None) -> None:
+    """Londiste 2's name of the worker: replay the provider's events into subscriber_db."""
+    from pgcascade.replay import Worker
+
+    if not ctl:
+        refuse_worker_without_provider(ctx)
+    control_or_start(ctx, Worker, detach, ctl)
 
 
 # --- entry point ------------------------------------------------------------------------------
