@@ -34,6 +34,11 @@ log = logging.getLogger("pgcascade.apply")
 ROW_EVENTS = ("I", "U", "D")
 MAX_EV_ID = 2**63 - 1
 
+# Every apply transaction: replica role (no capture, no protection triggers, no FK triggers),
+# and a durable commit even where the server runs with synchronous_commit = off - the batch is
+# finished on the provider right after, so a commit lost in a crash would lose the batch.
+APPLY_SETTINGS = "set local session_replication_role = replica; set local synchronous_commit = on"
+
 STAGE_DDL = (
     "create temp table if not exists pgcascade_stage"
     " (ev_id int8, ev_txid int8, ev_type text, ev_data text, ev_extra1 text) on commit delete rows"
@@ -131,8 +136,8 @@ class TableApplier:
             "with ev as ("
             " select ev_id, ev_type, ev_data, ev_data::jsonb as d from pg_temp.pgcascade_stage"
             " where ev_extra1 = %(t)s and ev_id >= %(lo)s and ev_id < %(hi)s and ev_type in ('I', 'U', 'D')"
-            " and (%(skip)s::pg_snapshot is null"
-            "      or not pg_visible_in_snapshot(ev_txid::text::xid8, %(skip)s::pg_snapshot))),"
+            " and (%(skip)s::text is null"
+            "      or not txid_visible_in_snapshot(ev_txid, %(skip)s::text::txid_snapshot))),"
             " net as (select distinct on ({keys}) ev_type, ev_data from ev order by {keys}, ev_id desc),"
             " del as (delete from {dest} t using net, json_populate_record(null::{dest}, net.ev_data::json) r"
             "         where net.ev_type = 'D' and {key_match})"
@@ -226,7 +231,7 @@ def apply_staged(
 
 def visible_in(sub: psycopg.Connection, ev_id: int, snapshot: str) -> bool:
     return sub.execute(
-        "select pg_visible_in_snapshot(ev_txid::text::xid8, %s::pg_snapshot) from pg_temp.pgcascade_stage"
+        "select txid_visible_in_snapshot(ev_txid, %s::txid_snapshot) from pg_temp.pgcascade_stage"
         " where ev_id = %s",
         (snapshot, ev_id),
     ).fetchone()[0]

@@ -29,11 +29,11 @@ from psycopg import sql
 from pgcascade import catalog, subscriber
 from pgcascade import node as nodes
 from pgcascade import queue as q
-from pgcascade.apply import TableApplier, apply_staged, stage_batch
+from pgcascade.apply import APPLY_SETTINGS, TableApplier, apply_staged, stage_batch
 from pgcascade.config import JobConfig
 from pgcascade.daemon import Daemon
 from pgcascade.errors import UserError
-from pgcascade.replay import next_batch, provider_formats, state_tick
+from pgcascade.replay import next_batch, provider_formats, resume_at, state_tick
 
 log = logging.getLogger("pgcascade.copy")
 
@@ -43,7 +43,10 @@ PROGRESS_EVERY = 5.0  # seconds between progress lines
 def pause_point(name: str, table: str) -> None:
     """Test hook: with PGCASCADE_PAUSE_AT=name in the environment, log and sleep here, so a
     test can SIGKILL the process at exactly this point of the state machine."""
-    if os.environ.get("PGCASCADE_PAUSE_AT") == name and os.environ.get("PGCASCADE_PAUSE_TABLE") in (None, table):
+    if os.environ.get("PGCASCADE_PAUSE_AT") == name and os.environ.get("PGCASCADE_PAUSE_TABLE") in (
+        None,
+        table,
+    ):
         log.info("pause point %s (pid %d)", name, os.getpid())
         time.sleep(float(os.environ.get("PGCASCADE_PAUSE_SECONDS", "60")))
 
@@ -143,18 +146,34 @@ class CopyProcess(Daemon):
         self.loop_delay = 0.2
         self.max_batch_events = int(cfg.raw.get("max_batch_events", 200000))
         cfg.pidfile = None  # the worker's pidfile is not ours; copy_pid in the database tells who runs
-        self.sub = psycopg.connect(cfg.db, autocommit=True, connect_timeout=10)
-        self.sub.execute("set application_name = 'pgcascade copy'")
-        self.node = nodes.require_node(self.sub, self.queue)
-        self.prov_location = nodes.provider_location(self.sub, self.node)
-        self.prov = psycopg.connect(self.prov_location, autocommit=True, connect_timeout=10)
+        self.sub: psycopg.Connection | None = None
+        self.prov: psycopg.Connection | None = None
+        self.connect()
         self.consumer = copy_consumer_name(self.node.worker_name or self.node.node_name, table)
         self.applier: TableApplier | None = None
+
+    def connect(self) -> None:
+        """(Re)connect to both databases; after a server restart the next round does this."""
+        if self.sub is None or self.sub.closed:
+            self.sub = psycopg.connect(self.cfg.db, autocommit=True, connect_timeout=10)
+            self.sub.execute("set application_name = 'pgcascade copy'")
+            self.node = nodes.require_node(self.sub, self.queue)
+            self.prov_location = nodes.provider_location(self.sub, self.node)
+        if self.prov is None or self.prov.closed:
+            self.prov = psycopg.connect(self.prov_location, autocommit=True, connect_timeout=10)
 
     def table_state(self) -> subscriber.SubscriberTable | None:
         return subscriber.get_table(self.sub, self.queue, self.table)
 
     def work(self) -> bool:
+        try:
+            return self.step()
+        except psycopg.OperationalError:
+            self.shutdown()  # reconnect in the next round
+            raise
+
+    def step(self) -> bool:
+        self.connect()
         st = self.table_state()
         if st is None or st.state is None or st.state == "ok":
             log.info(
@@ -209,7 +228,7 @@ class CopyProcess(Daemon):
             snapshot = snap_conn.execute("select pg_current_snapshot()::text").fetchone()[0]
             log.info("%s: copying under snapshot %s, catch-up from tick %d", self.table, snapshot, reg_tick)
             with self.sub.transaction():
-                self.sub.execute("set local session_replication_role = replica")
+                self.sub.execute(APPLY_SETTINGS)
                 saved = SavedDefinitions(self.sub, st.dest_table)
                 saved.drop(self.sub)
                 if not st.skip_truncate:
@@ -245,30 +264,32 @@ class CopyProcess(Daemon):
             self.applier = TableApplier.build(self.sub, self.prov, st, fmt)
         started = time.monotonic()
         with self.sub.transaction():
-            self.sub.execute("set local session_replication_role = replica")
+            self.sub.execute(APPLY_SETTINGS)
             done = self.sub.execute(
                 "select copy_tick from pgcascade.subscriber_table where queue_name = %s and table_name = %s for update",
                 (self.queue, self.table),
             ).fetchone()[0]
             stats = None
-            if done is None or done < info.cur_tick_id:
+            if done is None or done == info.prev_tick_id:
                 stage_batch(self.prov, self.sub, info.batch_id, only_table=self.table)
                 stats = apply_staged(self.sub, {self.table: self.applier}, skip=st.copy_snapshot)
                 self.sub.execute(
                     "update pgcascade.subscriber_table set copy_tick = %s where queue_name = %s and table_name = %s",
                     (info.cur_tick_id, self.queue, self.table),
                 )
+        if stats is None:  # the batch does not start at our record (see Worker.process_batch)
+            resume_at(self.prov, self.queue, self.consumer, done)
+            return True
         if st.state == "catching-up":
-            pause_point("catching-up", self.table)  # applied and recorded here, not yet finished on the provider
+            pause_point("catching-up", self.table)  # applied and recorded, not finished on the provider
         self.prov.execute("select pgcascade.finish_batch(%s)", (info.batch_id,))
-        if stats is not None:
-            log.info(
-                "%s: {count: %d, ignored: %d, duration: %.3f}",
-                self.table,
-                stats.count,
-                stats.ignored,
-                time.monotonic() - started,
-            )
+        log.info(
+            "%s: {count: %d, ignored: %d, duration: %.3f}",
+            self.table,
+            stats.count,
+            stats.ignored,
+            time.monotonic() - started,
+        )
         return True
 
     def finish(self, st: subscriber.SubscriberTable) -> None:
@@ -280,4 +301,6 @@ class CopyProcess(Daemon):
 
     def shutdown(self) -> None:
         for c in (self.sub, self.prov):
-            c.close()
+            if c is not None:
+                c.close()
+        self.sub = self.prov = None

@@ -31,7 +31,7 @@ import psycopg
 
 from pgcascade import node as nodes
 from pgcascade import subscriber
-from pgcascade.apply import ApplyError, TableApplier, apply_staged, stage_batch
+from pgcascade.apply import APPLY_SETTINGS, ApplyError, TableApplier, apply_staged, stage_batch
 from pgcascade.config import JobConfig
 from pgcascade.daemon import Daemon, pid_alive
 from pgcascade.errors import UserError, db_error_line
@@ -50,6 +50,11 @@ def next_batch(
             "select * from pgcascade.next_batch_custom(%s, %s, %s, %s)",
             (queue, consumer, max_events, max_tick),
         ).fetchone()
+
+
+def resume_at(prov: psycopg.Connection, queue: str, consumer: str, tick: int) -> None:
+    """Put our consumer on the provider at `tick`, the last tick we applied durably."""
+    prov.execute("select pgcascade.set_consumer_position(%s, %s, %s)", (queue, consumer, tick))
 
 
 def state_tick(state: str | None) -> int | None:
@@ -181,14 +186,11 @@ class Worker(Daemon):
         started = time.monotonic()
         appliers = self.appliers_for(sub, prov, tables)
         with sub.transaction():
-            sub.execute("set local session_replication_role = replica")
+            sub.execute(APPLY_SETTINGS)
             last = sub.execute(
                 "select last_tick from pgcascade.node where queue_name = %s for update", (self.queue,)
             ).fetchone()[0]
-            if last is not None and last >= info.cur_tick_id:
-                log.info(
-                    "batch %d (tick %d) is applied already: finishing it", info.batch_id, info.cur_tick_id
-                )
+            if last is not None and last != info.prev_tick_id:
                 stats = None
             else:
                 stage_batch(prov, sub, info.batch_id)
@@ -201,16 +203,21 @@ class Worker(Daemon):
                     (info.cur_tick_id, self.queue),
                 )
                 sync_sequences(prov, sub, self.queue)
-        prov.execute("select pgcascade.finish_batch(%s)", (info.batch_id,))
-        if stats is not None:
-            if stats.executed:
-                self.applier_key = ()  # DDL ran: read the tables' definitions again
+        if stats is None:
+            # the batch does not start where this node's durable record says it is (it was
+            # applied and the provider lost its finish_batch in a crash, or cut the batch
+            # differently after one): go by our record, never apply anything twice
             log.info(
-                "{count: %d, ignored: %d, duration: %.3f}",
-                stats.count,
-                stats.ignored,
-                time.monotonic() - started,
+                "provider had us at tick %d, we applied up to %d: resuming there", info.prev_tick_id, last
             )
+            resume_at(prov, self.queue, node.worker_name, last)
+            return
+        prov.execute("select pgcascade.finish_batch(%s)", (info.batch_id,))
+        if stats.executed:
+            self.applier_key = ()  # DDL ran: read the tables' definitions again
+        log.info(
+            "{count: %d, ignored: %d, duration: %.3f}", stats.count, stats.ignored, time.monotonic() - started
+        )
 
     def drop_tables_left_the_set(
         self,

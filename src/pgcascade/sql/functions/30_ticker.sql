@@ -34,6 +34,10 @@ declare
     v_last int8;
     v_id int8;
 begin
+    -- a tick is durable before anyone can read it: its commit record follows the commit of
+    -- every transaction in its snapshot, so those are flushed too, even where commits are
+    -- asynchronous - a consumer never applies events that a crash could take back
+    perform set_config('synchronous_commit', 'on', true);
     select max(tick_id) into v_last from pgcascade.tick where tick_queue = q.queue_id;
     v_id := coalesce(i_tick_id, coalesce(v_last, 0) + 1);
     if v_id <= coalesce(v_last, 0) then

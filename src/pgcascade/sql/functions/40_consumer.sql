@@ -64,3 +64,25 @@ begin
     delete from pgcascade.subscription where sub_id = s.sub_id;
     return 1;
 end $$;
+
+-- pgcascade.set_consumer_position(queue, consumer, tick_id) -> 1: closes the consumer's open
+-- batch, if any, and puts it at tick_id.  A subscriber calls it when its own durable record
+-- of what it applied differs from the position the provider has for it (the provider lost a
+-- finish_batch in a crash, say): the subscriber's record wins.  The tick must still exist.
+create or replace function pgcascade.set_consumer_position(i_queue_name text, i_consumer text, i_tick_id int8)
+returns int4
+language plpgsql as $$
+declare
+    s pgcascade.subscription;
+begin
+    s := pgcascade.find_subscription(i_queue_name, i_consumer, true);
+    perform 1 from pgcascade.tick where tick_queue = s.sub_queue and tick_id = i_tick_id;
+    if not found then
+        raise exception 'tick % of queue "%" no longer exists: consumer "%" cannot resume there (resync needed)',
+            i_tick_id, i_queue_name, i_consumer using errcode = 'P0002';
+    end if;
+    update pgcascade.subscription
+       set sub_last_tick = i_tick_id, sub_batch = null, sub_next_tick = null, sub_active = now()
+     where sub_id = s.sub_id;
+    return 1;
+end $$;

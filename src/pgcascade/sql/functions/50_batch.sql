@@ -107,7 +107,7 @@ declare
     cols text;
     cond text;
     sql text;
-    xip xid8[];
+    xip int8[];
 begin
     select * into s from pgcascade.subscription where sub_batch = i_batch_id;
     if not found then
@@ -116,17 +116,17 @@ begin
     end if;
     select tick_snapshot into prev_snap from pgcascade.tick where tick_queue = s.sub_queue and tick_id = s.sub_last_tick;
     select tick_snapshot into cur_snap from pgcascade.tick where tick_queue = s.sub_queue and tick_id = s.sub_next_tick;
-    cols := 'ev_id, ev_time, ev_txid::text::int8 as ev_txid, (ev_rare).ev_retry as ev_retry, ev_type, ev_data,'
+    cols := 'ev_id, ev_time, ev_txid, (ev_rare).ev_retry as ev_retry, ev_type, ev_data,'
          || ' ev_extra1, (ev_rare).ev_extra2 as ev_extra2, (ev_rare).ev_extra3 as ev_extra3,'
          || ' (ev_rare).ev_extra4 as ev_extra4 from pgcascade.event';
     cond := format(' ev_part >= %s and ev_part < %s', s.sub_queue * 16, s.sub_queue * 16 + 16)
-         || format(' and pg_visible_in_snapshot(ev_txid, %L::pg_snapshot)', cur_snap)
+         || format(' and txid_visible_in_snapshot(ev_txid, %L::txid_snapshot)', cur_snap)
          || format(' and (ev_rare is null or (ev_rare).ev_owner is null or (ev_rare).ev_owner = %s)', s.sub_id);
-    sql := format('select %s where %s and ev_txid >= %L::xid8 and ev_txid < %L::xid8',
-                  cols, cond, pg_snapshot_xmax(prev_snap), pg_snapshot_xmax(cur_snap));
-    select array_agg(x) into xip from pg_snapshot_xip(prev_snap) x;
+    sql := format('select %s where %s and ev_txid >= %s and ev_txid < %s',
+                  cols, cond, pg_snapshot_xmax(prev_snap)::text, pg_snapshot_xmax(cur_snap)::text);
+    select array_agg(x::text::int8) into xip from pg_snapshot_xip(prev_snap) x;
     if xip is not null then
-        sql := sql || format(' union all select %s where %s and ev_txid = any(%L::xid8[])', cols, cond, xip);
+        sql := sql || format(' union all select %s where %s and ev_txid = any(%L::int8[])', cols, cond, xip);
     end if;
     return sql || ' order by 1';
 end $$;

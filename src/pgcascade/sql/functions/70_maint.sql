@@ -44,8 +44,8 @@ begin
     if v_pos is not null then
         select tick_snapshot into v_snap from pgcascade.tick where tick_queue = q.queue_id and tick_id = v_pos;
         execute format('select exists (select 1 from pgcascade.%I where ev_txid >= $1'
-                       ' and not pg_visible_in_snapshot(ev_txid, $2))', part)
-           into v_busy using pg_snapshot_xmin(v_snap), v_snap;
+                       ' and not txid_visible_in_snapshot(ev_txid, $2::text::txid_snapshot))', part)
+           into v_busy using pg_snapshot_xmin(v_snap)::text::int8, v_snap;
         if v_busy then
             return 0;
         end if;

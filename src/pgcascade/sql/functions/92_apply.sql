@@ -25,7 +25,7 @@ begin
     sql_del := format('delete from %s t using json_populate_record(null::%s, $1) r where %s', i_dest, i_dest, keycond);
     for r in execute 'select ev_type, ev_data from pg_temp.pgcascade_stage'
                      ' where ev_extra1 = $1 and ev_id >= $2 and ev_id < $3 and ev_type in (''I'', ''U'', ''D'')'
-                     ' and ($4 is null or not pg_visible_in_snapshot(ev_txid::text::xid8, $4)) order by ev_id'
+                     ' and ($4 is null or not txid_visible_in_snapshot(ev_txid, $4::text::txid_snapshot)) order by ev_id'
                    using i_table, i_lo, i_hi, i_skip loop
         if left(r.ev_data, 1) = '{' then
             case r.ev_type

@@ -7,6 +7,11 @@
 -- The event row is kept to 8 columns so that its null bitmap fits inside the 24-byte tuple
 -- header; fields that few events use (extra2..4, retry count, owner) share one nullable
 -- composite, ev_rare.
+--
+-- ev_txid is int8 from txid_current(), as in PgQ: consumers get it as int8, and reading a
+-- batch then converts nothing per row (an xid8 column needs xid8 -> text -> int8 on each).
+-- Its visibility is tested with txid_visible_in_snapshot() against the ticks' pg_snapshot,
+-- which has the same representation as txid_snapshot.
 
 create table pgcascade.queue (
     queue_id                  int4        primary key,
@@ -66,7 +71,7 @@ create type pgcascade.event_rare as (
 create table pgcascade.event (
     ev_id      int8        not null,
     ev_time    timestamptz not null,
-    ev_txid    xid8        not null default pg_current_xact_id(),
+    ev_txid    int8        not null default txid_current(),
     ev_part    int4        not null,
     ev_type    text,
     ev_data    text,
