@@ -108,16 +108,24 @@ def set_location(conn: psycopg.Connection, queue_name: str, node_name: str, loca
     )
 
 
+def already_node(conn: psycopg.Connection, queue_name: str, node_name: str, node_type: str) -> bool:
+    """True if this database is that node already (creating it again is a no-op); an error if
+    it is another node of the set."""
+    existing = get_node(conn, queue_name)
+    if existing is None:
+        return False
+    if existing.node_name == node_name and existing.node_type == node_type:
+        return True
+    raise UserError(
+        f"this database is already node {existing.node_name} ({existing.node_type}) of {queue_name}"
+    )
+
+
 def create_root(conn: psycopg.Connection, queue_name: str, node_name: str, location: str) -> bool:
     """Install the schema, create the set's queue and register this database as its root."""
     schema.install(conn)
-    existing = get_node(conn, queue_name)
-    if existing is not None:
-        if existing.node_name == node_name and existing.node_type == "root":
-            return False
-        raise UserError(
-            f"this database is already node {existing.node_name} ({existing.node_type}) of {queue_name}"
-        )
+    if already_node(conn, queue_name, node_name, "root"):
+        return False
     with conn.transaction():
         q.create_queue(conn, queue_name)
         conn.execute(
@@ -134,13 +142,8 @@ def create_leaf(
     """Install the schema here, register this node as a consumer on the provider's queue, and
     record the provider's view of the set's locations."""
     schema.install(conn)
-    existing = get_node(conn, queue_name)
-    if existing is not None:
-        if existing.node_name == node_name and existing.node_type == "leaf":
-            return False
-        raise UserError(
-            f"this database is already node {existing.node_name} ({existing.node_type}) of {queue_name}"
-        )
+    if already_node(conn, queue_name, node_name, "leaf"):
+        return False
     with psycopg.connect(provider_connstr, autocommit=True, connect_timeout=10) as prov:
         pnode = get_node(prov, queue_name)
         if pnode is None or not pnode.role.has_queue:

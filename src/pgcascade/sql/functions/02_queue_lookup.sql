@@ -34,3 +34,17 @@ begin
     end if;
     return s;
 end $$;
+
+-- pgcascade.find_batch(batch_id) -> the subscription whose open batch it is, or an error.
+create or replace function pgcascade.find_batch(i_batch_id int8) returns pgcascade.subscription
+language plpgsql stable as $$
+declare
+    s pgcascade.subscription;
+begin
+    select * into s from pgcascade.subscription where sub_batch = i_batch_id;
+    if not found then
+        raise exception 'batch % is not open (finished already, or never existed)', i_batch_id
+            using errcode = 'P0002';
+    end if;
+    return s;
+end $$;

@@ -109,11 +109,7 @@ declare
     sql text;
     xip int8[];
 begin
-    select * into s from pgcascade.subscription where sub_batch = i_batch_id;
-    if not found then
-        raise exception 'batch % is not open (finished already, or never existed)', i_batch_id
-            using errcode = 'P0002';
-    end if;
+    s := pgcascade.find_batch(i_batch_id);
     select tick_snapshot into prev_snap from pgcascade.tick where tick_queue = s.sub_queue and tick_id = s.sub_last_tick;
     select tick_snapshot into cur_snap from pgcascade.tick where tick_queue = s.sub_queue and tick_id = s.sub_next_tick;
     cols := 'ev_id, ev_time, ev_txid, (ev_rare).ev_retry as ev_retry, ev_type, ev_data,'

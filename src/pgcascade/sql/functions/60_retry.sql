@@ -11,11 +11,7 @@ language plpgsql as $$
 declare
     s pgcascade.subscription;
 begin
-    select * into s from pgcascade.subscription where sub_batch = i_batch_id;
-    if not found then
-        raise exception 'batch % is not open (finished already, or never existed)', i_batch_id
-            using errcode = 'P0002';
-    end if;
+    s := pgcascade.find_batch(i_batch_id);
     insert into pgcascade.retry_queue (ev_retry_after, ev_queue, ev_owner, ev_id, ev_time, ev_retry,
                                        ev_type, ev_data, ev_extra1, ev_extra2, ev_extra3, ev_extra4)
     values (i_retry_after, s.sub_queue, s.sub_id, i_ev_id, i_ev_time, coalesce(i_ev_retry, 0) + 1,
