@@ -116,12 +116,18 @@ class TableApplier:
 
     def _set_based_sql(self, identity: bool) -> sql.Composed:
         dest = sql.SQL(self.dest)  # canonical name, quoted by the server
-        key_exprs = sql.SQL(", ").join(sql.SQL("d->>{}").format(sql.Literal(k)) for k in self.keys)
+        # each event's row is made once, typed, as the whole row `pgcascade_row`: keys compare with
+        # the types' equality (as the unique index does) and sort cheaper than their JSON text
+        key_exprs = sql.SQL(", ").join(
+            sql.SQL("(pgcascade_row).{}").format(sql.Identifier(k)) for k in self.keys
+        )
         key_match = sql.SQL(" and ").join(
-            sql.SQL("t.{0} = r.{0}").format(sql.Identifier(k)) for k in self.keys
+            sql.SQL("t.{0} = (net.pgcascade_row).{0}").format(sql.Identifier(k)) for k in self.keys
         )
         cols = sql.SQL(", ").join(map(sql.Identifier, self.cols))
-        rcols = sql.SQL(", ").join(sql.SQL("r.{}").format(sql.Identifier(c)) for c in self.cols)
+        rcols = sql.SQL(", ").join(
+            sql.SQL("(net.pgcascade_row).{}").format(sql.Identifier(c)) for c in self.cols
+        )
         non_keys = [c for c in self.cols if c not in self.keys]
         on_conflict = (
             sql.SQL("do update set {}").format(
@@ -133,16 +139,17 @@ class TableApplier:
         # rows are made with json_populate_record, not jsonb's: jsonb would turn float -0 into 0
         # and rewrite the text of json columns (whitespace, key order, duplicate keys)
         return sql.SQL(
-            "with ev as ("
-            " select ev_id, ev_type, ev_data, ev_data::jsonb as d from pg_temp.pgcascade_stage"
-            " where ev_extra1 = %(t)s and ev_id >= %(lo)s and ev_id < %(hi)s and ev_type in ('I', 'U', 'D')"
+            "with net as ("
+            " select distinct on ({keys}) s.ev_type, pgcascade_row from pg_temp.pgcascade_stage s"
+            " cross join lateral json_populate_record(null::{dest}, s.ev_data::json) pgcascade_row"
+            " where s.ev_extra1 = %(t)s and s.ev_id >= %(lo)s and s.ev_id < %(hi)s"
+            " and s.ev_type in ('I', 'U', 'D')"
             " and (%(skip)s::text is null"
-            "      or not txid_visible_in_snapshot(ev_txid, %(skip)s::text::txid_snapshot))),"
-            " net as (select distinct on ({keys}) ev_type, ev_data from ev order by {keys}, ev_id desc),"
-            " del as (delete from {dest} t using net, json_populate_record(null::{dest}, net.ev_data::json) r"
-            "         where net.ev_type = 'D' and {key_match})"
+            "      or not txid_visible_in_snapshot(s.ev_txid, %(skip)s::text::txid_snapshot))"
+            " order by {keys}, s.ev_id desc),"
+            " del as (delete from {dest} t using net where net.ev_type = 'D' and {key_match})"
             " insert into {dest} ({cols}){overriding}"
-            " select {rcols} from net, json_populate_record(null::{dest}, net.ev_data::json) r where net.ev_type <> 'D'"
+            " select {rcols} from net where net.ev_type <> 'D'"
             " on conflict ({keycols}) {on_conflict}"
         ).format(
             keys=key_exprs,
