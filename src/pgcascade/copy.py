@@ -33,11 +33,13 @@ from pgcascade.apply import APPLY_SETTINGS, TableApplier, apply_staged, stage_ba
 from pgcascade.config import JobConfig
 from pgcascade.daemon import Daemon
 from pgcascade.errors import UserError
+from pgcascade.queue import TICK_CHANNEL
 from pgcascade.replay import next_batch, provider_formats, resume_at, state_tick
 
 log = logging.getLogger("pgcascade.copy")
 
 PROGRESS_EVERY = 5.0  # seconds between progress lines
+WRITE_CHUNK = 1 << 20  # bytes handed to the subscriber's COPY per write()
 
 
 def pause_point(name: str, table: str) -> None:
@@ -122,14 +124,23 @@ def stream_copy(
     started = last_report = time.monotonic()
     with prov.cursor() as out_cur, sub.cursor() as in_cur:
         with out_cur.copy(out) as src, in_cur.copy(into) as dst:
-            for block in src:  # the server sends one message per row
-                dst.write(block)
-                moved += len(block)
+            # the server sends one message per row; they are written on in chunks of WRITE_CHUNK
+            # bytes: one write() per row cost more Python CPU than reading (5M rows: 7.3 s against 5.0 s)
+            buf = bytearray()
+            for block in src:
+                buf += block
                 rows += 1
-                if rows % 10000 == 0 and time.monotonic() - last_report >= PROGRESS_EVERY:
-                    last_report = time.monotonic()
-                    rate = moved / (last_report - started) / 1e6
-                    log.info("copy %s: %d rows, %.1f MB, %.1f MB/s", table, rows, moved / 1e6, rate)
+                if len(buf) >= WRITE_CHUNK:
+                    dst.write(buf)
+                    moved += len(buf)
+                    buf = bytearray()
+                    if time.monotonic() - last_report >= PROGRESS_EVERY:
+                        last_report = time.monotonic()
+                        rate = moved / (last_report - started) / 1e6
+                        log.info("copy %s: %d rows, %.1f MB, %.1f MB/s", table, rows, moved / 1e6, rate)
+            if buf:
+                dst.write(buf)
+                moved += len(buf)
         rows = in_cur.rowcount if in_cur.rowcount >= 0 else rows
     return rows, moved
 
@@ -143,7 +154,7 @@ class CopyProcess(Daemon):
             raise UserError(f"{cfg.path}: db and queue_name must be set")
         self.queue = cfg.queue_name
         self.table = table
-        self.loop_delay = 0.2
+        self.loop_delay = 0.05  # polls its own table's state: the worker's hand-over is awaited here
         self.max_batch_events = int(cfg.raw.get("max_batch_events", 200000))
         cfg.pidfile = None  # the worker's pidfile is not ours; copy_pid in the database tells who runs
         self.sub: psycopg.Connection | None = None
@@ -197,6 +208,9 @@ class CopyProcess(Daemon):
                 return False  # hand over only at a tick taken after the copy's snapshot
             subscriber.set_state(self.sub, self.queue, self.table, f"wanna-sync:{st.copy_tick}")
             log.info("%s: caught up at tick %d: wanna-sync:%d", self.table, st.copy_tick, st.copy_tick)
+            # wake the worker (it waits on the provider's tick channel) for the hand-over now,
+            # not at the next tick: with no writes that is up to ticker_idle_period away
+            self.prov.execute("select pg_notify(%s, %s)", (TICK_CHANNEL, self.queue))
             pause_point("wanna-sync", self.table)
             return False
         if st.state.startswith("do-sync"):

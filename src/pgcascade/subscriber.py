@@ -18,6 +18,7 @@ from psycopg.rows import class_row
 
 from pgcascade import capture, catalog
 from pgcascade.errors import UserError
+from pgcascade.queue import TICK_CHANNEL
 
 
 @dataclass
@@ -150,6 +151,9 @@ def add_tables(
             )
             conn.execute("select pgcascade.protect_table(%s::regclass, %s)", (dest, not allow_local_writes))
             added.append(t)
+    if added and not expect_sync:
+        # wake the worker (it waits on the provider's tick channel) to start the copies now
+        prov.execute("select pg_notify(%s, %s)", (TICK_CHANNEL, queue))
     return added
 
 
