@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
-# Installs the peer systems that bench/queue_bench.py measures pgcascade against:
-# PgQ 3 (the PostgreSQL 15 extension) and its ticker daemon pgqd, from Debian's packages.
-# Root only; idempotent.
+# Installs the peer systems that the benchmarks measure pgcascade against, from Debian's packages:
+#   bench/queue_bench.py:        PgQ 3 (the PostgreSQL 15 extension) and its ticker daemon pgqd;
+#   bench/replication_bench.py:  Londiste 3 as well (pgq_node and londiste extensions, the
+#                                londiste script for the system Python 3, which has psycopg2).
+# Native logical replication and pgbench come with PostgreSQL 15 itself. Root only; idempotent.
 set -euo pipefail
 
-PACKAGES=(postgresql-15-pgq3 pgqd)
+PACKAGES=(postgresql-15-pgq3 pgqd postgresql-15-pgq-node postgresql-15-londiste-sql python3-londiste)
 
 if [ "$(id -u)" -ne 0 ]; then
   echo "install-peers: run as root (apt-get install ${PACKAGES[*]})" >&2
   exit 2
 fi
-if [ -f /usr/share/postgresql/15/extension/pgq.control ] && dpkg-query -W -f='${Status}' pgqd 2>/dev/null | grep -q "install ok installed"; then
+installed() {
+  local p
+  for p in "${PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || return 1
+  done
+}
+if installed; then
   echo "install-peers: ok (already installed)"
   exit 0
 fi
@@ -20,5 +28,8 @@ mkdir -p /etc/postgresql-common/createcluster.d
 echo "create_main_cluster = false" > /etc/postgresql-common/createcluster.d/pgcascade.conf
 apt-get update -qq
 apt-get install -y -qq --no-install-recommends "${PACKAGES[@]}" >/dev/null
-test -f /usr/share/postgresql/15/extension/pgq.control
+for ext in pgq pgq_node londiste; do
+  test -f "/usr/share/postgresql/15/extension/$ext.control"
+done
+test -x /usr/bin/londiste
 echo "install-peers: ok"
