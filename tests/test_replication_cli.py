@@ -453,6 +453,8 @@ def test_usage_errors_exit_2_with_one_line(replica, tmp_path):
     leaf_cases = [
         (("add-table", "public.a", "public.b", "--dest-table", "other.x"), "exactly one table"),
         (("add-table", "public.nosuch"), "not replicated by the provider"),
+        (("add-table", "public.a", "--key=id"), "set on the root"),
+        (("add-table", "public.a", "--format=sql"), "set on the root"),
         (("remove-table", "public.a"), "not replicated here"),
         (("resync", "public.a"), "not replicated here"),
         (("execute", str(tmp_path / "leaf.ini")), "root"),

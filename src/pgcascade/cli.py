@@ -314,6 +314,8 @@ def add_table(
             keys = [k.strip() for k in key.split(",")] if key else None
             added = capture.add_tables(conn, ctx.queue(), list(tables), all_tables, keys, event_format)
         else:
+            if key or event_format != "json":
+                raise UserError("--key and --format are set on the root, where tables are captured")
             with ctx.provider(conn, node) as prov:
                 added = subscriber.add_tables(conn, prov, ctx.queue(), list(tables), all_tables, **opts)
     for t in added:
