@@ -77,10 +77,7 @@ def remove_tables(conn: psycopg.Connection, queue: str, patterns: list[str]) -> 
             refs: list[TableRef] = catalog.resolve(conn, [pat])
             names += [r.canonical for r in refs]
         except UserError:
-            sch, tab = catalog.split_name(conn, pat)
-            names.append(
-                conn.execute("select format('%%I.%%I', %s::text, %s::text)", (sch, tab)).fetchone()[0]
-            )
+            names.append(catalog.canonical(conn, pat))  # no longer exists: removable all the same
     missing = [n for n in names if n not in known]
     if missing:
         raise UserError(f"not in the set: {', '.join(missing)}")
@@ -97,7 +94,7 @@ def remove_tables(conn: psycopg.Connection, queue: str, patterns: list[str]) -> 
 
 def add_seqs(conn: psycopg.Connection, queue: str, patterns: list[str], all_seqs: bool = False) -> list[str]:
     seqs = (
-        catalog._relations(conn, "S")
+        catalog.relations(conn, "S")
         if all_seqs
         else catalog.resolve(conn, patterns, kinds="S", what="sequence")
     )
@@ -112,10 +109,9 @@ def add_seqs(conn: psycopg.Connection, queue: str, patterns: list[str], all_seqs
 
 def remove_seqs(conn: psycopg.Connection, queue: str, names: list[str]) -> None:
     for n in names:
-        sch, seq = catalog.split_name(conn, n)
-        canonical = conn.execute("select format('%%I.%%I', %s::text, %s::text)", (sch, seq)).fetchone()[0]
         cur = conn.execute(
-            "delete from pgcascade.set_seq where queue_name = %s and seq_name = %s", (queue, canonical)
+            "delete from pgcascade.set_seq where queue_name = %s and seq_name = %s",
+            (queue, catalog.canonical(conn, n)),
         )
         if cur.rowcount == 0:
             raise UserError(f"sequence {n!r} is not in the set")

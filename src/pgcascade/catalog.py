@@ -39,7 +39,13 @@ def split_name(conn: psycopg.Connection, name: str) -> tuple[str, str]:
     raise UserError(f"invalid table name (schema.table expected): {name!r}")
 
 
-def _relations(conn: psycopg.Connection, kinds: str) -> list[TableRef]:
+def canonical(conn: psycopg.Connection, name: str) -> str:
+    """A user's name for a relation -> format('%I.%I', schema, name), whether it exists or not."""
+    sch, rel = split_name(conn, name)
+    return conn.execute("select format('%%I.%%I', %s::text, %s::text)", (sch, rel)).fetchone()[0]
+
+
+def relations(conn: psycopg.Connection, kinds: str) -> list[TableRef]:
     rows = conn.execute(
         "select n.nspname, c.relname, format('%%I.%%I', n.nspname, c.relname), c.oid::int8"
         " from pg_class c join pg_namespace n on n.oid = c.relnamespace"
@@ -58,7 +64,7 @@ def resolve(
     existing = None
     for pat in patterns:
         if "*" in pat or "?" in pat:
-            existing = existing if existing is not None else _relations(conn, kinds)
+            existing = existing if existing is not None else relations(conn, kinds)
             sch, _, tab = pat.rpartition(".")
             sch = sch or "public"
             matches = [
@@ -84,7 +90,7 @@ def resolve(
 
 
 def all_tables(conn: psycopg.Connection) -> list[TableRef]:
-    return _relations(conn, "rp")
+    return relations(conn, "rp")
 
 
 def primary_key(conn: psycopg.Connection, oid: int) -> list[str] | None:

@@ -57,11 +57,6 @@ def set_state(conn: psycopg.Connection, queue: str, table: str, state: str | Non
     )
 
 
-def canonical(conn: psycopg.Connection, name: str) -> str:
-    sch, tab = catalog.split_name(conn, name)
-    return conn.execute("select format('%%I.%%I', %s::text, %s::text)", (sch, tab)).fetchone()[0]
-
-
 def structure_difference(prov_cols: list[catalog.Column], dest_cols: list[catalog.Column]) -> str | None:
     """The first reason the local table cannot take the provider's rows, or None."""
     dest = {c.name: c for c in dest_cols}
@@ -110,7 +105,7 @@ def add_tables(
     allow_local_writes: bool = False,
 ) -> list[str]:
     provided = capture.set_tables(prov, queue)
-    wanted = list(provided) if all_tables else [canonical(prov, n) for n in names]
+    wanted = list(provided) if all_tables else [catalog.canonical(prov, n) for n in names]
     if dest_table and len(wanted) != 1:
         raise UserError("--dest-table needs exactly one table")
     for t in wanted:
@@ -122,7 +117,7 @@ def add_tables(
         for t in wanted:
             if t in registered:
                 continue
-            dest = canonical(conn, dest_table) if dest_table else t
+            dest = catalog.canonical(conn, dest_table) if dest_table else t
             prov_cols = catalog.columns(prov, t)
             if not catalog.table_exists(conn, dest):
                 if not create:
@@ -162,7 +157,7 @@ def remove_tables(conn: psycopg.Connection, queue: str, names: list[str]) -> lis
     removed = []
     with conn.transaction():
         for n in names:
-            t = canonical(conn, n)
+            t = catalog.canonical(conn, n)
             if t not in registered:
                 raise UserError(f"table {t} is not replicated here")
             conn.execute(
@@ -180,7 +175,7 @@ def resync_tables(conn: psycopg.Connection, queue: str, names: list[str]) -> lis
     registered = {t.table_name for t in tables(conn, queue)}
     done = []
     for n in names:
-        t = canonical(conn, n)
+        t = catalog.canonical(conn, n)
         if t not in registered:
             raise UserError(f"table {t} is not replicated here")
         set_state(conn, queue, t, None, copy_snapshot=None, copy_tick=None)
@@ -203,7 +198,7 @@ def add_seqs(
     conn: psycopg.Connection, prov: psycopg.Connection, queue: str, names: list[str], all_seqs: bool
 ) -> list[str]:
     provided = capture.set_seqs(prov, queue)
-    wanted = provided if all_seqs else [canonical(prov, n) for n in names]
+    wanted = provided if all_seqs else [catalog.canonical(prov, n) for n in names]
     for s in wanted:
         if s not in provided:
             raise UserError(f"sequence {s} is not replicated by the provider: add it on the root first")
@@ -223,7 +218,7 @@ def remove_seqs(conn: psycopg.Connection, queue: str, names: list[str]) -> None:
     for n in names:
         cur = conn.execute(
             "delete from pgcascade.subscriber_seq where queue_name = %s and seq_name = %s",
-            (queue, canonical(conn, n)),
+            (queue, catalog.canonical(conn, n)),
         )
         if cur.rowcount == 0:
             raise UserError(f"sequence {n!r} is not replicated here")

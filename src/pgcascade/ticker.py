@@ -36,7 +36,7 @@ class DatabaseTicker:
     connstr: str
     conn: psycopg.Connection | None = None
     down_since: float | None = None
-    retry_at: float = 0.0
+    reconnect_at: float = 0.0
     backoff: float = 0.0
     next_retry: float = 0.0
     next_maint: float = 0.0
@@ -63,7 +63,7 @@ class DatabaseTicker:
                 db_error_line(err) if isinstance(err, psycopg.Error) else err,
             )
         self.backoff = min(max(self.backoff * 2, 0.5), 10.0)
-        self.retry_at = now + self.backoff
+        self.reconnect_at = now + self.backoff
         if self.conn is not None:
             self.conn.close()
         self.conn = None
@@ -146,7 +146,7 @@ class Ticker(Daemon):
         for db in list(self.dbs.values()):
             if self.stop_requested:
                 break
-            if db.retry_at > now:
+            if db.reconnect_at > now:
                 continue
             try:
                 self.serve(db, now)
