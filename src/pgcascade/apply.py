@@ -39,33 +39,55 @@ MAX_EV_ID = 2**63 - 1
 # finished on the provider right after, so a commit lost in a crash would lose the batch.
 APPLY_SETTINGS = "set local session_replication_role = replica; set local synchronous_commit = on"
 
+STAGE_COLUMNS = "ev_id, ev_txid, ev_type, ev_data, ev_extra1"
+# a branch carries every field of the event into its own queue
+CARRY_COLUMNS = STAGE_COLUMNS + ", ev_time, ev_extra2, ev_extra3, ev_extra4"
 STAGE_DDL = (
     "create temp table if not exists pgcascade_stage"
-    " (ev_id int8, ev_txid int8, ev_type text, ev_data text, ev_extra1 text) on commit delete rows"
+    " (ev_id int8, ev_txid int8, ev_type text, ev_data text, ev_extra1 text,"
+    "  ev_time timestamptz, ev_extra2 text, ev_extra3 text, ev_extra4 text) on commit delete rows"
 )
 
 
 def stage_batch(
-    prov: psycopg.Connection, sub: psycopg.Connection, batch_id: int, only_table: str | None = None
+    prov: psycopg.Connection,
+    sub: psycopg.Connection,
+    batch_id: int,
+    only_table: str | None = None,
+    carry: bool = False,
 ) -> int:
-    """Stream the batch's events from the provider into the subscriber's staging table; bytes moved."""
+    """Stream the batch's events from the provider into the subscriber's staging table; bytes
+    moved.  `carry`: every field, for a branch that inserts them into its own queue."""
     sub.execute(STAGE_DDL)
     batch_sql = prov.execute("select pgcascade.batch_event_sql(%s)", (batch_id,)).fetchone()[0]
-    query = sql.SQL(
-        "copy (select ev_id, ev_txid, ev_type, ev_data, ev_extra1 from ({}) b{}) to stdout"
-    ).format(
+    cols = sql.SQL(CARRY_COLUMNS if carry else STAGE_COLUMNS)
+    query = sql.SQL("copy (select {} from ({}) b{}) to stdout").format(
+        cols,
         sql.SQL(batch_sql),  # composed by the provider's own function, with quoted literals
         sql.SQL(" where ev_extra1 = {}").format(sql.Literal(only_table)) if only_table else sql.SQL(""),
     )
     moved = 0
     with (
         prov.cursor().copy(query) as src,
-        sub.cursor().copy("copy pg_temp.pgcascade_stage from stdin") as dst,
+        sub.cursor().copy(sql.SQL("copy pg_temp.pgcascade_stage ({}) from stdin").format(cols)) as dst,
     ):
         for block in src:
             dst.write(block)
             moved += len(block)
     return moved
+
+
+def carry_staged(sub: psycopg.Connection, queue: str) -> int:
+    """A branch: insert the staged batch into its own queue, every event with its provider's
+    id, time and fields (the transaction id is this node's own, as the local ticks need)."""
+    return sub.execute(
+        "insert into pgcascade.event (ev_id, ev_time, ev_part, ev_type, ev_data, ev_extra1, ev_rare)"
+        " select s.ev_id, s.ev_time, q.queue_id * 16 + q.queue_cur_table, s.ev_type, s.ev_data, s.ev_extra1,"
+        "        case when s.ev_extra2 is not null or s.ev_extra3 is not null or s.ev_extra4 is not null"
+        "             then row(s.ev_extra2, s.ev_extra3, s.ev_extra4, null, null)::pgcascade.event_rare end"
+        "   from pg_temp.pgcascade_stage s, pgcascade.queue q where q.queue_name = %s order by s.ev_id",
+        (queue,),
+    ).rowcount
 
 
 @dataclass
@@ -192,17 +214,22 @@ class BatchStats:
 
 
 def apply_staged(
-    sub: psycopg.Connection, appliers: dict[str, TableApplier], skip: str | None = None
+    sub: psycopg.Connection,
+    appliers: dict[str, TableApplier],
+    skip: str | None = None,
+    queue: str | None = None,
 ) -> BatchStats:
-    """Apply the staged batch: segments of row events between barrier events, in ev_id order."""
+    """Apply the staged batch: segments of row events between barrier events, in ev_id order.
+    Copy processes pass the copy's snapshot as `skip`; the worker passes its `queue`, for the
+    set's own events (locations, watermark), which copy processes leave to it."""
     stats = BatchStats()
     barriers = sub.execute(
-        "select ev_id, ev_type, ev_data, ev_extra1 from pg_temp.pgcascade_stage"
+        "select ev_id, ev_type, ev_data, ev_extra1, ev_extra2 from pg_temp.pgcascade_stage"
         " where ev_type not in ('I', 'U', 'D') order by ev_id"
     ).fetchall()
     pending_truncate: list[str] = []
     lo = 0
-    for ev_id, ev_type, ev_data, ev_extra1 in [*barriers, (MAX_EV_ID, None, None, None)]:
+    for ev_id, ev_type, ev_data, ev_extra1, ev_extra2 in [*barriers, (MAX_EV_ID, None, None, None, None)]:
         apply_segment(sub, appliers, lo, ev_id, skip, stats, pending_truncate)
         lo = ev_id + 1
         if ev_type is None:
@@ -231,6 +258,11 @@ def apply_staged(
                     a.after_ddl(sub)
         elif ev_type == "T":
             stats.table_list = [t for t in (ev_data or "").split(",") if t]
+        elif ev_type.startswith("pgcascade.") and queue is not None:
+            sub.execute(
+                "select pgcascade.apply_cascade_event(%s, %s, %s, %s, %s)",
+                (queue, ev_type, ev_data, ev_extra1, ev_extra2),
+            )
         else:
             stats.ignored += 1
     return stats

@@ -265,6 +265,29 @@ def create_root(ctx: Context, node_name: str, location: str | None) -> None:
     click.echo(f"root {node_name} of {ctx.queue()}: {'created' if created else 'exists already'}")
 
 
+def create_subscriber(
+    ctx: Context, node_type: str, node_name: str, location: str | None, provider: str
+) -> None:
+    from pgcascade import cascade
+
+    with ctx.connect() as conn:
+        loc = location or ctx.db()
+        created = nodes.create_subscriber(conn, ctx.queue(), node_name, node_type, loc, provider)
+        if created and not cascade.announce_at_root(conn, ctx.queue(), node_name, loc):
+            click.echo("the root is unreachable: other nodes learn this node's location later", err=True)
+    click.echo(f"{node_type} {node_name} of {ctx.queue()}: {'created' if created else 'exists already'}")
+
+
+@cli.command("create-branch")
+@click.argument("node_name")
+@click.argument("location", required=False)
+@click.option("--provider", "provider", required=True, help="Connection string of the provider node.")
+@pass_ctx
+def create_branch(ctx: Context, node_name: str, location: str | None, provider: str) -> None:
+    """Make this database a branch: it replays and carries the provider's queue."""
+    create_subscriber(ctx, "branch", node_name, location, provider)
+
+
 @cli.command("create-leaf")
 @click.argument("node_name")
 @click.argument("location", required=False)
@@ -272,9 +295,107 @@ def create_root(ctx: Context, node_name: str, location: str | None) -> None:
 @pass_ctx
 def create_leaf(ctx: Context, node_name: str, location: str | None, provider: str) -> None:
     """Make this database a leaf of the set, fed by the provider."""
+    create_subscriber(ctx, "leaf", node_name, location, provider)
+
+
+# --- the cascade ------------------------------------------------------------------------------
+
+
+def say(line: str) -> None:
+    click.echo(line, err=True)
+
+
+@cli.command()
+@pass_ctx
+def members(ctx: Context) -> None:
+    """List the set's nodes: name, type, provider, location (passwords hidden)."""
+    from pgcascade import cascade
+
     with ctx.connect() as conn:
-        created = nodes.create_leaf(conn, ctx.queue(), node_name, location or ctx.db(), provider)
-    click.echo(f"leaf {node_name} of {ctx.queue()}: {'created' if created else 'exists already'}")
+        ctx.node(conn)
+        for m in cascade.survey(conn, ctx.queue()):
+            kind = m.node.node_type if m.node else ("dead" if m.dead else "unreachable")
+            prov = (m.node.provider_node or "-") if m.node else "?"
+            click.echo(f"{m.name}\t{kind}\t{prov}\t{redact(m.location)}")
+
+
+@cli.command("change-provider")
+@click.option("--provider", "provider", required=True, help="Name of the node to feed from.")
+@click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for a provider behind us.")
+@click.option("--no-wait", is_flag=True, help="Refuse instead of waiting for a provider that is behind.")
+@pass_ctx
+def change_provider(ctx: Context, provider: str, timeout: float, no_wait: bool) -> None:
+    """Feed this node from another node of the set, with no gap and no duplicate."""
+    from pgcascade import cascade
+
+    with ctx.connect() as conn:
+        click.echo(cascade.change_provider(conn, ctx.queue(), provider, say, timeout, no_wait))
+
+
+@cli.command()
+@click.argument("old_node")
+@click.option("--dead-root", is_flag=True, help="The root is lost: become the root (failover).")
+@click.option("--dead-branch", is_flag=True, help="The branch is lost: take over its subscribers.")
+@click.option("--timeout", default=60.0, show_default=True, help="Seconds to wait for each step.")
+@pass_ctx
+def takeover(ctx: Context, old_node: str, dead_root: bool, dead_branch: bool, timeout: float) -> None:
+    """Take OLD_NODE's place: a live root becomes our branch (switchover); --dead-root and
+    --dead-branch take over from a lost node."""
+    from pgcascade import cascade
+
+    if dead_root and dead_branch:
+        raise UserError("--dead-root and --dead-branch exclude each other")
+    with ctx.connect() as conn:
+        me = ctx.node(conn)
+        if dead_root:
+            click.echo(cascade.failover(conn, ctx.queue(), old_node, say, timeout))
+            return
+        if dead_branch:
+            click.echo(cascade.take_subscribers(conn, ctx.queue(), old_node, True, say, timeout))
+            return
+        if me.provider_node == old_node and me.node_type == "branch":
+            with cascade.reach(cascade.locations(conn, ctx.queue()).get(old_node, ("",))[0]) as oc:
+                old = nodes.get_node(oc, ctx.queue()) if oc is not None else None
+            if old is None:
+                raise RuntimeFailure(f"{old_node} does not answer: use --dead-root or --dead-branch")
+            if old.node_type == "root":
+                click.echo(cascade.switchover(conn, ctx.queue(), old_node, say, timeout))
+                return
+        click.echo(cascade.take_subscribers(conn, ctx.queue(), old_node, False, say, timeout))
+
+
+@cli.command("drop-node")
+@click.argument("node_name")
+@pass_ctx
+def drop_node(ctx: Context, node_name: str) -> None:
+    """Remove a node from the set (its registrations go, rotation is released)."""
+    from pgcascade import cascade
+
+    with ctx.connect() as conn:
+        ctx.node(conn)
+        click.echo(cascade.drop_node(conn, ctx.queue(), node_name))
+
+
+@cli.command()
+@click.argument("node_name", required=False)
+@pass_ctx
+def pause(ctx: Context, node_name: str | None) -> None:
+    """Pause a node's worker (this node by default)."""
+    from pgcascade import cascade
+
+    with ctx.connect() as conn:
+        click.echo(cascade.set_paused(conn, ctx.queue(), node_name or ctx.node(conn).node_name, True))
+
+
+@cli.command()
+@click.argument("node_name", required=False)
+@pass_ctx
+def resume(ctx: Context, node_name: str | None) -> None:
+    """Resume a paused node's worker (this node by default)."""
+    from pgcascade import cascade
+
+    with ctx.connect() as conn:
+        click.echo(cascade.set_paused(conn, ctx.queue(), node_name or ctx.node(conn).node_name, False))
 
 
 # --- tables and sequences ---------------------------------------------------------------------
@@ -465,17 +586,16 @@ def wait_sync(ctx: Context, timeout: float) -> None:
 # --- daemons ----------------------------------------------------------------------------------
 
 
-def refuse_worker_without_provider(ctx: Context) -> None:
-    """A database that is no node, or a root, has no worker: say so and exit 2 instead of
-    starting a daemon that retries forever.  An unreachable database is left to the daemon."""
+def refuse_worker_without_node(ctx: Context) -> None:
+    """A database that is no node has no worker: say so and exit 2 instead of starting a
+    daemon that retries forever.  An unreachable database is left to the daemon.  A root's
+    worker waits, for the day a takeover makes the root a branch."""
     try:
         conn = ctx.connect()
     except psycopg.OperationalError:
         return
     with conn:
-        node = ctx.node(conn)
-    if not node.role.reads_provider_queue:
-        raise UserError(f"node {node.node_name} is the {node.node_type}: it has no worker to run")
+        ctx.node(conn)
 
 
 @cli.command()
@@ -486,7 +606,7 @@ def worker(ctx: Context, detach: bool, ctl: str | None) -> None:
     from pgcascade.replay import Worker
 
     if not ctl:
-        refuse_worker_without_provider(ctx)
+        refuse_worker_without_node(ctx)
     control_or_start(ctx, Worker, detach, ctl)
 
 
@@ -589,7 +709,9 @@ def subscriber_group() -> None:
 def subscriber_install(ctx: Context) -> None:
     """Make subscriber_db a leaf of the set fed by provider_db (node named after job_name)."""
     with ctx.connect() as conn:
-        created = nodes.create_leaf(conn, ctx.queue(), ctx.cfg.job_name, ctx.db(), ctx.provider_db())
+        created = nodes.create_subscriber(
+            conn, ctx.queue(), ctx.cfg.job_name, "leaf", ctx.db(), ctx.provider_db()
+        )
     click.echo(
         f"subscriber {ctx.cfg.job_name} of {ctx.queue()}: {'installed' if created else 'installed already'}"
     )
@@ -643,7 +765,7 @@ def replay(ctx: Context, detach: bool, ctl: str | None) -> None:
     from pgcascade.replay import Worker
 
     if not ctl:
-        refuse_worker_without_provider(ctx)
+        refuse_worker_without_node(ctx)
     control_or_start(ctx, Worker, detach, ctl)
 
 

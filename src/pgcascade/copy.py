@@ -195,6 +195,10 @@ class CopyProcess(Daemon):
         if st.copy_pid != os.getpid():
             subscriber.set_state(self.sub, self.queue, self.table, st.state, copy_pid=os.getpid())
         if st.state == "in-copy":
+            lacking = subscriber.provider_lacks(self.prov, self.queue, [self.table])
+            if lacking:
+                log.info("%s: waiting for the provider to hold it (%s)", self.table, lacking[self.table])
+                return False
             self.initial_copy(st)
             return True
         if st.state == "catching-up":

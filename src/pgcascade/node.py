@@ -136,13 +136,20 @@ def create_root(conn: psycopg.Connection, queue_name: str, node_name: str, locat
     return True
 
 
-def create_leaf(
-    conn: psycopg.Connection, queue_name: str, node_name: str, location: str, provider_connstr: str
+def create_subscriber(
+    conn: psycopg.Connection,
+    queue_name: str,
+    node_name: str,
+    node_type: str,
+    location: str,
+    provider_connstr: str,
 ) -> bool:
-    """Install the schema here, register this node as a consumer on the provider's queue, and
-    record the provider's view of the set's locations."""
+    """Install the schema here and make this database a leaf or a branch of the set: register
+    it as a consumer on the provider's queue and record the provider's view of the set's
+    locations.  A branch gets a queue of its own that starts at the tick it registered at,
+    and a copy of the set's table list (its own subscribers choose from it)."""
     schema.install(conn)
-    if already_node(conn, queue_name, node_name, "leaf"):
+    if already_node(conn, queue_name, node_name, node_type):
         return False
     with psycopg.connect(provider_connstr, autocommit=True, connect_timeout=10) as prov:
         pnode = get_node(prov, queue_name)
@@ -152,25 +159,48 @@ def create_leaf(
             raise UserError(f"node name {node_name!r} is the provider's own name")
         with prov.transaction():
             q.register_consumer(prov, queue_name, node_name)
-            tick = prov.execute(
-                "select last_tick from pgcascade.get_consumer_info(%s, %s)", (queue_name, node_name)
-            ).fetchone()[0]
+            tick, tick_time, event_seq = prov.execute(
+                "select tick_id, tick_time, tick_event_seq from pgcascade.consumer_tick(%s, %s)",
+                (queue_name, node_name),
+            ).fetchone()
             set_location(prov, queue_name, node_name, location)
         locations = prov.execute(
             "select node_name, node_location from pgcascade.node_location where queue_name = %s",
             (queue_name,),
         ).fetchall()
+        set_tables = prov.execute(
+            "select table_name, key_columns, event_format from pgcascade.set_table where queue_name = %s",
+            (queue_name,),
+        ).fetchall()
     with conn.transaction():
+        if node_type == "branch":
+            conn.execute(
+                "select pgcascade.create_branch_queue(%s, %s, %s, %s)",
+                (queue_name, tick, tick_time, event_seq),
+            )
+            mirror_set_tables(conn, queue_name, set_tables)
         conn.execute(
             "insert into pgcascade.node (queue_name, node_name, node_type, provider_node, worker_name, last_tick)"
-            " values (%s, %s, 'leaf', %s, %s, %s)",
-            (queue_name, node_name, pnode.node_name, node_name, tick),
+            " values (%s, %s, %s, %s, %s, %s)",
+            (queue_name, node_name, node_type, pnode.node_name, node_name, tick),
         )
         for name, loc in locations:
             set_location(conn, queue_name, name, loc)
         set_location(conn, queue_name, pnode.node_name, provider_connstr)
         set_location(conn, queue_name, node_name, location)
     return True
+
+
+def mirror_set_tables(conn: psycopg.Connection, queue_name: str, rows: list[tuple]) -> None:
+    """A branch keeps the set's table list as its provider has it: its subscribers choose from
+    it, and it captures these tables if it becomes the root."""
+    conn.execute("delete from pgcascade.set_table where queue_name = %s", (queue_name,))
+    for table, keys, fmt in rows:
+        conn.execute(
+            "insert into pgcascade.set_table (queue_name, table_name, key_columns, event_format)"
+            " values (%s, %s, %s, %s)",
+            (queue_name, table, keys, fmt),
+        )
 
 
 def record_error(conn: psycopg.Connection, queue_name: str, message: str | None) -> None:

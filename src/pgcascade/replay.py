@@ -6,6 +6,12 @@ set-based apply for the tables in state `ok`, the new last_tick, and the sequenc
 then is the batch finished on the provider.  Dying anywhere leaves either the batch applied
 and recorded (then finished on restart without applying it again) or nothing.
 
+A branch also carries the batch: the same transaction inserts every event into its own queue
+(same ids) and makes the provider's tick with the same id, so every node with a queue presents
+identical batches and a subscriber can move to any of them.  After its batches the worker
+reports its watermark (the lowest tick it and the nodes below it need) to the provider.  A
+root's worker waits: a takeover may make the node a branch.
+
 Between batches the worker drives the copy state machine (seed 000), owning the states NULL
 and wanna-sync:T; the copy processes it launches own the others (see copy.py):
 
@@ -31,7 +37,14 @@ import psycopg
 
 from pgcascade import node as nodes
 from pgcascade import subscriber
-from pgcascade.apply import APPLY_SETTINGS, ApplyError, TableApplier, apply_staged, stage_batch
+from pgcascade.apply import (
+    APPLY_SETTINGS,
+    ApplyError,
+    TableApplier,
+    apply_staged,
+    carry_staged,
+    stage_batch,
+)
 from pgcascade.config import JobConfig
 from pgcascade.daemon import Daemon, pid_alive
 from pgcascade.errors import UserError, db_error_line
@@ -72,6 +85,13 @@ def provider_formats(prov: psycopg.Connection, queue: str) -> dict[str, str]:
     )
 
 
+def provider_set_tables(prov: psycopg.Connection, queue: str) -> list[tuple]:
+    return prov.execute(
+        "select table_name, key_columns, event_format from pgcascade.set_table where queue_name = %s",
+        (queue,),
+    ).fetchall()
+
+
 def sync_sequences(prov: psycopg.Connection, sub: psycopg.Connection, queue: str) -> None:
     """Move each followed sequence up to the provider's value (never down)."""
     seqs = subscriber.seqs(sub, queue)
@@ -106,6 +126,8 @@ class Worker(Daemon):
         self.appliers: dict[str, TableApplier] = {}
         self.applier_key: tuple = ()
         self.copies: dict[str, subprocess.Popen] = {}
+        self.prov_node: str | None = None  # the provider self.prov is connected to
+        self.next_watermark = 0.0
         self.reload()
 
     def reload(self) -> None:
@@ -113,20 +135,28 @@ class Worker(Daemon):
         self.parallel_copies = int(raw.get("parallel_copies", 2))
         self.max_batch_events = int(raw.get("max_batch_events", 200000))
         self.loop_delay = float(raw.get("loop_delay", 1.0))
+        self.watermark_period = float(raw.get("watermark_period", 1.0))
 
     # --- connections ---
-    def connect(self) -> tuple[psycopg.Connection, psycopg.Connection, nodes.Node]:
+    def connect(self) -> tuple[psycopg.Connection, psycopg.Connection | None, nodes.Node]:
+        """Both connections; the provider's is None while this node is the root (a root's
+        worker waits, in case a takeover makes it a branch)."""
         if self.sub is None or self.sub.closed:
             self.sub = psycopg.connect(self.cfg.db, autocommit=True, connect_timeout=10)
             self.sub.execute("set application_name = 'pgcascade worker'")
         node = nodes.require_node(self.sub, self.queue)
+        if node.provider_node != self.prov_node and self.prov is not None:
+            log.info("provider is now %s (was %s)", node.provider_node, self.prov_node)
+            self.prov.close()
+            self.prov = None
         if not node.role.reads_provider_queue:
-            raise UserError(f"node {node.node_name} is the {node.node_type}: it has no worker to run")
+            return self.sub, None, node
         if self.prov is None or self.prov.closed:
             self.prov = psycopg.connect(
                 nodes.provider_location(self.sub, node), autocommit=True, connect_timeout=10
             )
             self.prov.execute(f"listen {TICK_CHANNEL}")
+            self.prov_node = node.provider_node
         return self.sub, self.prov, node
 
     def drop_connections(self) -> None:
@@ -134,6 +164,7 @@ class Worker(Daemon):
             if c is not None:
                 c.close()
         self.sub = self.prov = None
+        self.prov_node = None
 
     def sleep(self, seconds: float) -> None:
         """Wait for the provider's next tick (NOTIFY), at most `seconds`."""
@@ -150,7 +181,7 @@ class Worker(Daemon):
     def work(self) -> bool:
         try:
             sub, prov, node = self.connect()
-            if node.paused:
+            if prov is None or node.paused:
                 return False
             self.manage_copies(sub, node, subscriber.tables(sub, self.queue))
             # read the states again: manage_copies may have handed a table over (do-sync),
@@ -168,8 +199,10 @@ class Worker(Daemon):
                 max_tick,
             )
             if info.batch_id is None:
+                self.report_watermark(sub, prov, node)
                 return False
             self.process_batch(sub, prov, node, tables, info)
+            self.report_watermark(sub, prov, node)
             return True
         except psycopg.OperationalError:
             self.drop_connections()
@@ -185,18 +218,31 @@ class Worker(Daemon):
     ) -> None:
         started = time.monotonic()
         appliers = self.appliers_for(sub, prov, tables)
+        carry = node.role.copies_events
         with sub.transaction():
             sub.execute(APPLY_SETTINGS)
-            last = sub.execute(
-                "select last_tick from pgcascade.node where queue_name = %s for update", (self.queue,)
-            ).fetchone()[0]
+            last, provider, node_type = sub.execute(
+                "select last_tick, provider_node, node_type from pgcascade.node where queue_name = %s for update",
+                (self.queue,),
+            ).fetchone()
+            if provider != node.provider_node or node_type != node.node_type:
+                return  # moved (change-provider, takeover) since this round began: start again
             if last is not None and last != info.prev_tick_id:
                 stats = None
             else:
-                stage_batch(prov, sub, info.batch_id)
-                stats = apply_staged(sub, appliers)
+                stage_batch(prov, sub, info.batch_id, carry=carry)
+                if carry:
+                    carry_staged(sub, self.queue)
+                stats = apply_staged(sub, appliers, queue=self.queue)
                 if stats.table_list is not None:
                     self.drop_tables_left_the_set(sub, prov, tables, stats.table_list)
+                    if carry:
+                        nodes.mirror_set_tables(sub, self.queue, provider_set_tables(prov, self.queue))
+                if carry:
+                    sub.execute(
+                        "select pgcascade.branch_tick(%s, %s, %s, %s)",
+                        (self.queue, info.cur_tick_id, info.cur_tick_time, info.cur_tick_event_seq),
+                    )
                 sub.execute(
                     "update pgcascade.node set last_tick = %s, last_error = null, last_error_time = null"
                     " where queue_name = %s",
@@ -218,6 +264,19 @@ class Worker(Daemon):
         log.info(
             "{count: %d, ignored: %d, duration: %.3f}", stats.count, stats.ignored, time.monotonic() - started
         )
+
+    def report_watermark(self, sub: psycopg.Connection, prov: psycopg.Connection, node: nodes.Node) -> None:
+        """Tell the provider the lowest tick this node and the nodes below it still need (at
+        most every watermark_period): the root keeps its history back to the lowest of all."""
+        now = time.monotonic()
+        if now < self.next_watermark:
+            return
+        self.next_watermark = now + self.watermark_period
+        wm = sub.execute("select pgcascade.local_watermark(%s)", (self.queue,)).fetchone()[0]
+        if wm is not None:
+            prov.execute(
+                "select pgcascade.set_subscriber_watermark(%s, %s, %s)", (self.queue, node.node_name, wm)
+            )
 
     def drop_tables_left_the_set(
         self,

@@ -8,6 +8,7 @@ from datetime import timedelta
 import psycopg
 from rich.console import Console, Group
 from rich.table import Table
+from rich.tree import Tree
 
 from pgcascade import queue as q
 from pgcascade import subscriber
@@ -85,11 +86,74 @@ def node_lag(conn: psycopg.Connection, prov: psycopg.Connection | None, node: No
     return out
 
 
+def set_tree(conn: psycopg.Connection, queue: str) -> Tree | str:
+    """The set as a tree, root at the top: every node's type, lag behind the root (time and
+    ticks), paused flag and last error; nodes that do not answer are marked."""
+    from pgcascade.cascade import tree_rows
+
+    members, info = tree_rows(conn, queue)
+    by_name = {m.name: m for m in members}
+
+    def label(m) -> str:
+        if m.node is None:
+            return f"[red]{m.name}[/red] " + ("dead" if m.dead else f"unreachable ({m.error})")
+        n, i = m.node, info.get(m.name, {})
+        text = f"[bold]{n.node_name}[/bold] {n.node_type}"
+        if n.node_type != "root" and i:
+            text += f", lag {fmt_interval(i['lag'])}, {i['behind']} ticks behind (tick {i['tick']})"
+        elif i:
+            text += f", tick {i['tick']}"
+        if n.paused:
+            text += " [yellow]paused[/yellow]"
+        if n.last_error:
+            text += f" [red]error:[/red] {n.last_error}"
+        return text
+
+    children: dict[str | None, list[str]] = {}
+    for m in members:
+        parent = m.node.provider_node if m.node is not None else None
+        children.setdefault(parent if parent in by_name else None, []).append(m.name)
+    roots = children.get(None, [])
+    tree = Tree(f"set {queue}")
+    seen: set[str] = set()
+
+    def add(branch: Tree, name: str) -> None:
+        if name in seen:
+            return
+        seen.add(name)
+        sub = branch.add(label(by_name[name]))
+        for child in sorted(children.get(name, [])):
+            add(sub, child)
+
+    for name in sorted(
+        roots, key=lambda n: (by_name[n].node is None or by_name[n].node.node_type != "root", n)
+    ):
+        add(tree, name)
+    return tree
+
+
+def watermark_table(conn: psycopg.Connection, queue: str) -> Table:
+    """On a node with a queue: what each subscriber (and the nodes below it) still needs."""
+    t = Table(title="watermarks (rotation waits for the lowest)", title_justify="left")
+    for col in ("node", "needs tick", "reported"):
+        t.add_column(col, justify="left" if col == "node" else "right")
+    for name, wm, age in conn.execute(
+        "select node_name, watermark, now() - reported from pgcascade.node_watermark where queue_name = %s"
+        " order by watermark, node_name",
+        (queue,),
+    ):
+        t.add_row(name, str(wm), fmt_interval(age) + " ago")
+    return t
+
+
 def print_node_status(conn: psycopg.Connection, node: Node) -> None:
     console = Console()
     console.print(f"[bold]{node.node_name}[/bold] ({node.node_type}) of set {node.queue_name}")
-    if node.role.captures_changes:
+    console.print(set_tree(conn, node.queue_name))
+    if node.role.has_queue:
         console.print(queue_tables(conn))
+        console.print(watermark_table(conn, node.queue_name))
+    if node.role.captures_changes:
         return
     prov = None
     try:

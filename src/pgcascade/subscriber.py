@@ -111,6 +111,8 @@ def add_tables(
     for t in wanted:
         if t not in provided:
             raise UserError(f"table {t} is not replicated by the provider: add it on the root first")
+    if not expect_sync:
+        refuse_uncopyable(prov, queue, wanted)
     registered = {t.table_name for t in tables(conn, queue)}
     added = []
     with conn.transaction():
@@ -150,6 +152,32 @@ def add_tables(
         # wake the worker (it waits on the provider's tick channel) to start the copies now
         prov.execute("select pg_notify(%s, %s)", (TICK_CHANNEL, queue))
     return added
+
+
+def provider_lacks(prov: psycopg.Connection, queue: str, wanted: list[str]) -> dict[str, str]:
+    """Tables a provider cannot give an initial copy of now, with the reason: a branch carries
+    every table's events but holds rows only of the tables it replicates itself, in state ok."""
+    if prov.execute(
+        "select node_type = 'branch' from pgcascade.node where queue_name = %s", (queue,)
+    ).fetchone() != (True,):
+        return {}
+    held = {t.table_name: t.state for t in tables(prov, queue)}
+    return {
+        t: "not replicated there" if t not in held else f"state {held[t] or 'NULL'} there"
+        for t in wanted
+        if held.get(t, "") != "ok"
+    }
+
+
+def refuse_uncopyable(prov: psycopg.Connection, queue: str, wanted: list[str]) -> None:
+    """A branch that does not replicate a table at all (a queue-only branch) never can give
+    its copy; one still copying it will (the copy process waits)."""
+    never = [t for t, why in provider_lacks(prov, queue, wanted).items() if why == "not replicated there"]
+    if never:
+        raise UserError(
+            f"the provider (a branch) does not replicate {', '.join(never)}, so it cannot give the initial"
+            " copy: add it there first, or load the rows yourself and use --expect-sync"
+        )
 
 
 def remove_tables(conn: psycopg.Connection, queue: str, names: list[str]) -> list[str]:

@@ -1,0 +1,430 @@
+"""Cascades: root, branches and leaves with pgbench writing; failover, switchover, moving
+subscribers, watermarks.  Daemons and the CLI run as processes; nodes that are lost live on
+clusters of their own, stopped with `pg_ctl -m immediate`.  Every test ends by comparing an md5
+of every row (computed by PostgreSQL) between each surviving node and the root, and proves with
+an ENABLE ALWAYS audit trigger that no history row was applied twice.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psycopg
+import pytest
+from conftest import Daemons, kill_processes_mentioning, run_cli, table_checksum
+from test_replication import PGBENCH_TABLES, add_apply_audit, pgbench, pgbench_init
+
+from pgcascade.localcluster import LocalCluster, new_cluster, wait_until
+
+QUEUE = "cas"
+
+
+@dataclass
+class PrivateDb:
+    """A database on a cluster of its own, which the test may crash."""
+
+    cluster: LocalCluster
+    name: str = "postgres"
+
+    @property
+    def connstr(self) -> str:
+        return self.cluster.connstr(self.name)
+
+    def connect(self, autocommit: bool = True) -> psycopg.Connection:
+        return psycopg.connect(self.connstr, autocommit=autocommit)
+
+
+@dataclass
+class Cascade:
+    tmp: Path
+    daemons: Daemons
+    dbs: dict[str, object] = field(default_factory=dict)
+    workers: dict[str, subprocess.Popen] = field(default_factory=dict)
+    tickers: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def ini(self, name: str) -> Path:
+        return self.tmp / f"{name}.ini"
+
+    def node(self, name: str, db, **extra: object) -> None:
+        self.dbs[name] = db
+        lines = [
+            "[pgcascade]",
+            f"job_name = {name}",
+            f"db = {db.connstr}",
+            f"queue_name = {QUEUE}",
+            f"logfile = {self.tmp}/{name}.log",
+            f"pidfile = {self.tmp}/{name}.pid",
+            "loop_delay = 0.2",
+            "watermark_period = 0.2",
+            *(f"{k} = {v}" for k, v in extra.items()),
+        ]
+        self.ini(name).write_text("\n".join(lines) + "\n")
+        tick = self.tmp / f"ticker-{name}.ini"
+        tick.write_text(
+            f"[pgcascade]\njob_name = ticker-{name}\ndb = {db.connstr}\nlogfile = {self.tmp}/ticker-{name}.log\n"
+            f"pidfile = {self.tmp}/ticker-{name}.pid\nmaint_period = 0.5\nticker_period = 0.05\n"
+        )
+
+    def cli(self, name: str, *args: str, check: bool = True, timeout: float = 180):
+        r = run_cli(str(self.ini(name)), *args, timeout=timeout)
+        if check:
+            assert r.returncode == 0, (
+                f"pgcascade {name} {' '.join(args)}: rc {r.returncode}\n{r.stdout}\n{r.stderr}"
+            )
+        return r
+
+    def create(self, name: str, kind: str, provider: str | None = None) -> None:
+        if kind == "root":
+            self.cli(name, "create-root", name)
+        else:
+            self.cli(name, f"create-{kind}", name, "--provider", self.dbs[provider].connstr)
+
+    def start_ticker(self, name: str) -> None:
+        self.tickers[name] = self.daemons.start("ticker", str(self.tmp / f"ticker-{name}.ini"))
+
+    def start_worker(self, name: str) -> subprocess.Popen:
+        self.workers[name] = self.daemons.start(str(self.ini(name)), "worker")
+        return self.workers[name]
+
+    def kill_worker(self, name: str) -> None:
+        self.daemons.kill(self.workers[name])
+
+    def start_all(self, *names: str) -> None:
+        for n in names:
+            self.start_ticker(n)
+            self.start_worker(n)
+
+    def scalar(self, name: str, query: str, params: tuple = ()):
+        with self.dbs[name].connect() as c:
+            return c.execute(query, params).fetchone()[0]
+
+    def last_tick(self, name: str) -> int:
+        return self.scalar(name, "select last_tick from pgcascade.node where queue_name = %s", (QUEUE,)) or 0
+
+    def newest_tick(self, name: str) -> int:
+        return self.scalar(name, "select last_tick_id from pgcascade.get_queue_info(%s)", (QUEUE,))
+
+    def tick_now(self, root: str) -> int:
+        return self.scalar(root, "select pgcascade.ticker(%s)", (QUEUE,))
+
+    def wait_applied(self, names: list[str], tick: int, timeout: float = 120) -> None:
+        for n in names:
+            wait_until(lambda n=n: self.last_tick(n) >= tick, timeout, what=f"{n} to apply tick {tick}")
+
+    def sync(self, root: str, names: list[str], timeout: float = 120) -> None:
+        """Every named node applied everything committed on the root before now."""
+        self.wait_applied(names, self.tick_now(root), timeout)
+
+    def assert_equal(self, a: str, b: str, tables=PGBENCH_TABLES) -> None:
+        for t in tables:
+            assert table_checksum(self.dbs[a], t) == table_checksum(self.dbs[b], t), (
+                f"{t}: {a} and {b} differ"
+            )
+
+    def log(self, name: str) -> str:
+        p = self.tmp / f"{name}.log"
+        return p.read_text() if p.exists() else ""
+
+
+def assert_history_applied_once(db) -> None:
+    with db.connect() as conn:
+        rows, distinct, updates = conn.execute(
+            "select count(*), count(distinct hid), count(*) filter (where op <> 'INSERT') from history_audit"
+        ).fetchone()
+        history = conn.execute("select count(*) from pgbench_history").fetchone()[0]
+    assert updates == 0 and rows == distinct == history, (rows, distinct, updates, history)
+
+
+@pytest.fixture
+def cascade(tmp_path: Path, daemons: Daemons, request: pytest.FixtureRequest) -> Iterator[Cascade]:
+    cas = Cascade(tmp_path, daemons)
+    yield cas
+    daemons.close()
+    kill_processes_mentioning(str(tmp_path))
+    failed = getattr(request.node, "rep_call", None)
+    if failed is not None and failed.failed:
+        for name in cas.dbs:
+            print(f"\n----- {name}.log -----\n{cas.log(name)[-4000:]}")
+
+
+@pytest.fixture
+def private_clusters(request: pytest.FixtureRequest) -> Iterator:
+    """private_clusters(n) -> n clusters of the test's own."""
+    made: list[tuple[LocalCluster, Path]] = []
+
+    def make(n: int) -> list[LocalCluster]:
+        out = []
+        for i in range(n):
+            base = Path(tempfile.mkdtemp(prefix="pgcascade-private-"))
+            c = new_cluster(f"p{i}", basedir=base)
+            made.append((c, base))
+            out.append(c)
+        return out
+
+    yield make
+    for c, base in made:
+        c.destroy()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def batches_between(db, first: int, last: int) -> list[tuple]:
+    """(tick, ev_id, type, data) of every event in the batches first..last, read through a
+    probe consumer registered at `first`: what any subscriber of this node would receive."""
+    out = []
+    with db.connect() as c:
+        c.execute("select pgcascade.set_consumer_position(%s, 'probe', %s)", (QUEUE, first))
+        while True:
+            info = c.execute(
+                "select batch_id, cur_tick_id from pgcascade.next_batch_info(%s, 'probe')", (QUEUE,)
+            ).fetchone()
+            if info[0] is None or info[1] > last:
+                break
+            for ev in c.execute(
+                "select ev_id, ev_type, ev_data, ev_extra1 from pgcascade.get_batch_events(%s) order by ev_id",
+                (info[0],),
+            ):
+                out.append((info[1], *ev))
+            c.execute("select pgcascade.finish_batch(%s)", (info[0],))
+            if info[1] == last:
+                break
+        c.execute("select pgcascade.unregister_consumer(%s, 'probe')", (QUEUE,))
+    return out
+
+
+def test_branches_carry_identical_batches_and_feed_leaves(cascade, make_db):
+    """S1 root; S2 branch with every table; S3 branch with two tables, S4 a leaf under S3; S5 a
+    queue-only branch.  pgbench on S1, workers killed at random: every node equals the root,
+    every queue presents the root's batches tick for tick, locations reach every node."""
+    c = cascade
+    for name, cl in (("s1", "a"), ("s2", "b"), ("s3", "a"), ("s4", "b"), ("s5", "b")):
+        c.node(name, make_db(cl))
+    pgbench_init(c.dbs["s1"])
+    c.create("s1", "root")
+    c.cli("s1", "add-table", *PGBENCH_TABLES)
+    c.create("s2", "branch", "s1")
+    c.create("s3", "branch", "s1")
+    c.create("s4", "leaf", "s3")
+    c.create("s5", "branch", "s2")
+    c.cli("s2", "add-table", "--all", "--create")
+    c.cli("s3", "add-table", "pgbench_accounts", "pgbench_history", "--create")
+    r = c.cli("s4", "add-table", "pgbench_tellers", "--create", check=False)
+    assert r.returncode == 2 and "pgbench_tellers" in r.stderr, r.stderr  # s3 does not hold it
+    c.cli("s4", "add-table", "pgbench_accounts", "pgbench_history", "--create")
+    for n in ("s2", "s4"):
+        add_apply_audit(c.dbs[n])
+    c.start_all("s1", "s2", "s3", "s4", "s5")
+    c.sync("s1", ["s2", "s3"])
+    c.sync("s1", ["s4", "s5"])
+    first = c.last_tick("s5")
+    for n in ("s1", "s2", "s3", "s5"):  # a probe holds the ticks from here on every queue
+        c.scalar(n, "select pgcascade.register_consumer_at(%s, 'probe', %s)", (QUEUE, first))
+    load = pgbench(c.dbs["s1"], "-c", "2", "-j", "2", "-T", "10", "-R", "200")
+    rng = random.Random(11)
+    for _ in range(8):
+        time.sleep(rng.uniform(0.3, 1.0))
+        victim = rng.choice(["s2", "s3", "s4", "s5"])
+        c.kill_worker(victim)
+        c.start_worker(victim)
+    assert load.wait(timeout=60) == 0, load.stderr.read()
+    c.sync("s1", ["s2", "s3", "s5"])
+    c.sync("s1", ["s4"])  # s4 behind s3, which is at the root's tick already
+    c.assert_equal("s1", "s2")
+    c.assert_equal("s1", "s3", ("pgbench_accounts", "pgbench_history"))
+    c.assert_equal("s1", "s4", ("pgbench_accounts", "pgbench_history"))
+    for n in ("s2", "s4"):
+        assert_history_applied_once(c.dbs[n])
+    # identical batches, tick for tick, on every node that carries the queue
+    last = c.last_tick("s5")
+    reference = batches_between(c.dbs["s1"], first, last)
+    assert len(reference) > 100, "too few events to compare"
+    for n in ("s2", "s3", "s5"):
+        assert batches_between(c.dbs[n], first, last) == reference, f"{n} carries other batches than s1"
+    # s5 was created last, under s2: its location reached s4 through the root and s3
+    wait_until(lambda: "s5" in c.cli("s4", "members").stdout, 30, what="s5's location on s4")
+    status = c.cli("s4", "status").stdout
+    for n in ("s1", "s2", "s3", "s4", "s5"):
+        assert n in status, status
+    assert "branch" in status and "leaf" in status
+
+
+def test_seed_illustration_lose_root_then_branch(cascade, make_db, private_clusters):
+    """Seed 003's simple illustration: S1 root, S2 and S3 branches, S4 leaf under S3.  Lose S1
+    (immediate shutdown): S2 takes over (--dead-root) and S3 follows it.  Lose S3: S4 moves to
+    S2 (--dead-branch).  Workers are killed at random throughout; S4 ends equal to S2 and no
+    history row was applied twice anywhere."""
+    c = cascade
+    p1, p3 = private_clusters(2)
+    c.node("s1", PrivateDb(p1))
+    c.node("s2", make_db("a"))
+    c.node("s3", PrivateDb(p3))
+    c.node("s4", make_db("b"))
+    pgbench_init(c.dbs["s1"])
+    c.create("s1", "root")
+    c.cli("s1", "add-table", *PGBENCH_TABLES)
+    for n, kind, prov in (("s2", "branch", "s1"), ("s3", "branch", "s1"), ("s4", "leaf", "s3")):
+        c.create(n, kind, prov)
+        c.cli(n, "add-table", "--all", "--create")
+        add_apply_audit(c.dbs[n])
+    c.start_all("s1", "s2", "s3", "s4")
+    load = pgbench(c.dbs["s1"], "-c", "2", "-j", "2", "-T", "8", "-R", "200")
+    rng = random.Random(3)
+    for _ in range(4):
+        time.sleep(rng.uniform(0.3, 1.0))
+        victim = rng.choice(["s2", "s3", "s4"])
+        c.kill_worker(victim)
+        c.start_worker(victim)
+    load.wait(timeout=60)
+    c.sync("s1", ["s2", "s3", "s4"])
+    load = pgbench(c.dbs["s1"], "-c", "2", "-j", "2", "-T", "30", "-R", "200")
+    time.sleep(2)
+    p1.stop("immediate")  # S1 lost under load
+    load.wait(timeout=60)
+    c.kill_worker("s2")  # killed mid-failover work, restarted below
+    r = c.cli("s2", "takeover", "s1", "--dead-root", timeout=240, check=False)
+    c.start_worker("s2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "s2 is the root" in r.stdout
+    assert c.scalar("s3", "select provider_node from pgcascade.node where queue_name = %s", (QUEUE,)) == "s2"
+    load = pgbench(c.dbs["s2"], "-c", "2", "-j", "2", "-T", "4", "-R", "200")
+    assert load.wait(timeout=60) == 0, load.stderr.read()
+    c.sync("s2", ["s3"])
+    c.sync("s2", ["s4"])
+    c.assert_equal("s2", "s3")
+    c.assert_equal("s2", "s4")
+    # now lose S3; S4 moves to S2
+    load = pgbench(c.dbs["s2"], "-c", "2", "-j", "2", "-T", "6", "-R", "200")
+    time.sleep(1.5)
+    c.kill_worker("s3")
+    p3.stop("immediate")
+    r = c.cli("s2", "takeover", "s3", "--dead-branch", timeout=240, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert c.scalar("s4", "select provider_node from pgcascade.node where queue_name = %s", (QUEUE,)) == "s2"
+    assert load.wait(timeout=60) == 0, load.stderr.read()
+    c.sync("s2", ["s4"])
+    c.assert_equal("s2", "s4")
+    for n in ("s2", "s4"):
+        assert_history_applied_once(c.dbs[n])
+    members = c.cli("s2", "members").stdout
+    assert "s1" in members and "dead" in members
+
+
+def test_switchover_and_back_under_load(cascade, make_db):
+    """S1 root, S2 branch, S3 leaf under S1.  takeover S1 on S2 while pgbench writes: S2 becomes
+    the root, S1 its branch (S3 still under S1); and back.  Nothing lost, nothing twice."""
+    c = cascade
+    for name, cl in (("s1", "a"), ("s2", "b"), ("s3", "b")):
+        c.node(name, make_db(cl))
+    pgbench_init(c.dbs["s1"])
+    c.create("s1", "root")
+    c.cli("s1", "add-table", *PGBENCH_TABLES)
+    c.create("s2", "branch", "s1")
+    c.create("s3", "leaf", "s1")
+    for n in ("s2", "s3"):
+        c.cli(n, "add-table", "--all", "--create")
+    add_apply_audit(c.dbs["s3"])
+    c.start_all("s1", "s2", "s3")
+    c.sync("s1", ["s2", "s3"])
+    for new_root, old_root in (("s2", "s1"), ("s1", "s2")):
+        load = pgbench(c.dbs[old_root], "-c", "2", "-j", "2", "-T", "6", "-R", "200")
+        time.sleep(2)
+        r = c.cli(new_root, "takeover", old_root, timeout=240)
+        assert f"{new_root} is the root" in r.stdout, r.stdout
+        blocked = float(r.stdout.split("writes were refused for ")[1].split("s")[0])
+        assert blocked < 5, r.stdout
+        load.wait(timeout=60)  # its clients fail once writes are refused: that is the point
+        # the old root refuses writes now; the new one takes them
+        with pytest.raises(psycopg.Error, match="replicated"), c.dbs[old_root].connect() as conn:
+            conn.execute("update pgbench_branches set bbalance = bbalance + 1 where bid = 1")
+        load = pgbench(c.dbs[new_root], "-c", "2", "-j", "2", "-T", "3", "-R", "200")
+        assert load.wait(timeout=60) == 0, load.stderr.read()
+        c.sync(new_root, [old_root])
+        c.sync(new_root, ["s3"])
+        c.assert_equal(new_root, old_root)
+        c.assert_equal(new_root, "s3")
+    assert_history_applied_once(c.dbs["s3"])
+
+
+def test_change_provider_to_nodes_behind_and_ahead(cascade, make_db):
+    """A leaf moves to a branch that is behind it (waits, or refuses with --no-wait), then to
+    the root (ahead): no gap, no duplicate."""
+    c = cascade
+    for name, cl in (("s1", "a"), ("s2", "b"), ("s3", "a"), ("l", "b")):
+        c.node(name, make_db(cl))
+    pgbench_init(c.dbs["s1"])
+    c.create("s1", "root")
+    c.cli("s1", "add-table", *PGBENCH_TABLES)
+    c.create("s2", "branch", "s1")
+    c.create("s3", "branch", "s1")
+    c.create("l", "leaf", "s2")
+    for n in ("s2", "s3", "l"):
+        c.cli(n, "add-table", "--all", "--create")
+    add_apply_audit(c.dbs["l"])
+    c.start_all("s1", "s2", "s3", "l")
+    c.sync("s1", ["s2", "s3", "l"])
+    c.cli("s1", "pause", "s3")
+    load = pgbench(c.dbs["s1"], "-c", "2", "-j", "2", "-T", "3", "-R", "200")
+    assert load.wait(timeout=60) == 0
+    c.sync("s1", ["s2"])
+    c.sync("s1", ["l"])
+    r = c.cli("l", "change-provider", "--provider", "s3", "--no-wait", check=False)
+    assert r.returncode == 1 and "s3 is at tick" in r.stderr, r.stderr
+    proc = c.daemons.start(str(c.ini("l")), "change-provider", "--provider", "s3", "--timeout", "60")
+    time.sleep(1)
+    assert proc.poll() is None, proc.output()  # waiting for s3
+    c.cli("s1", "resume", "s3")
+    assert proc.wait(timeout=90) == 0, proc.output()
+    load = pgbench(c.dbs["s1"], "-c", "2", "-j", "2", "-T", "2", "-R", "200")
+    assert load.wait(timeout=60) == 0
+    c.sync("s1", ["s3"])
+    c.sync("s1", ["l"])
+    c.assert_equal("s1", "l")
+    c.cli("l", "change-provider", "--provider", "s1")
+    load = pgbench(c.dbs["s1"], "-c", "2", "-j", "2", "-T", "2", "-R", "200")
+    assert load.wait(timeout=60) == 0
+    c.sync("s1", ["l"])
+    c.assert_equal("s1", "l")
+    assert_history_applied_once(c.dbs["l"])
+    r = c.cli("s2", "change-provider", "--provider", "l", check=False)
+    assert r.returncode == 2 and "leaf" in r.stderr
+
+
+def test_stalled_leaf_holds_rotation_until_dropped(cascade, make_db):
+    """A paused leaf under a branch keeps the root from deleting the ticks it needs (its
+    watermark reaches the root through the branch); drop-node releases them."""
+    c = cascade
+    for name, cl in (("s1", "a"), ("s2", "b"), ("l", "a")):
+        c.node(name, make_db(cl))
+    pgbench_init(c.dbs["s1"])
+    c.create("s1", "root")
+    c.cli("s1", "add-table", *PGBENCH_TABLES)
+    c.create("s2", "branch", "s1")
+    c.create("l", "leaf", "s2")
+    for n in ("s2", "l"):
+        c.cli(n, "add-table", "--all", "--create")
+    c.start_all("s1", "s2", "l")
+    c.sync("s1", ["s2"])
+    c.sync("s1", ["l"])
+    c.cli("s1", "pause", "l")
+    time.sleep(1)
+    held = c.last_tick("l")
+    load = pgbench(c.dbs["s1"], "-c", "2", "-j", "2", "-T", "3", "-R", "200")
+    assert load.wait(timeout=60) == 0
+    c.sync("s1", ["s2"])
+    time.sleep(2)  # several maintenance rounds
+    oldest = "select min(tick_id) from pgcascade.tick t join pgcascade.queue q on q.queue_id = t.tick_queue where q.queue_name = %s"
+    assert c.scalar("s1", oldest, (QUEUE,)) <= held, "the root deleted ticks the paused leaf needs"
+    assert c.scalar("s2", oldest, (QUEUE,)) <= held
+    status = c.cli("s1", "status").stdout
+    assert "watermarks" in status and "s2" in status
+    c.cli("s1", "drop-node", "l")
+    wait_until(
+        lambda: c.scalar("s1", oldest, (QUEUE,)) > held, 30, what="the root to release the leaf's ticks"
+    )
+    assert "l\t" not in c.cli("s2", "members").stdout
