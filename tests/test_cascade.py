@@ -158,7 +158,10 @@ def copy_schema(src, dst) -> None:
         capture_output=True,
         text=True,
     ).stdout
-    dump = "\n".join(line for line in dump.splitlines() if not line.startswith("\\"))  # psql meta-commands
+    # no psql meta-commands, and no capture triggers of a root (the functions are not on dst)
+    dump = "\n".join(
+        line for line in dump.splitlines() if not line.startswith("\\") and "_pgcascade_capture" not in line
+    )
     with dst.connect() as conn:
         conn.execute(dump)
         conn.execute("select pg_catalog.set_config('search_path', 'public', false)")
@@ -290,9 +293,12 @@ def test_seed_illustration_lose_root_then_branch(cascade, make_db, private_clust
     pgbench_init(c.dbs["s1"])
     c.create("s1", "root")
     c.cli("s1", "add-table", *PGBENCH_TABLES)
+    c.cli("s1", "add-seq", "--all")
     for n, kind, prov in (("s2", "branch", "s1"), ("s3", "branch", "s1"), ("s4", "leaf", "s3")):
+        copy_schema(c.dbs["s1"], c.dbs[n])
         c.create(n, kind, prov)
-        c.cli(n, "add-table", "--all", "--create")
+        c.cli(n, "add-table", "--all")
+        c.cli(n, "add-seq", "--all")
         add_apply_audit(c.dbs[n])
     c.start_all("s1", "s2", "s3", "s4")
     load = pgbench(c.dbs["s1"], "-c", "2", "-j", "2", "-T", "8", "-R", "200")
