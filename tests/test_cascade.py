@@ -114,9 +114,21 @@ class Cascade:
     def tick_now(self, root: str) -> int:
         return self.scalar(root, "select pgcascade.ticker(%s)", (QUEUE,))
 
+    def copying(self, name: str) -> int:
+        return self.scalar(
+            name,
+            "select count(*) from pgcascade.subscriber_table where queue_name = %s and state is distinct from 'ok'",
+            (QUEUE,),
+        )
+
     def wait_applied(self, names: list[str], tick: int, timeout: float = 120) -> None:
+        """Each node has every table ok and applied `tick`."""
         for n in names:
-            wait_until(lambda n=n: self.last_tick(n) >= tick, timeout, what=f"{n} to apply tick {tick}")
+            wait_until(
+                lambda n=n: self.copying(n) == 0 and self.last_tick(n) >= tick,
+                timeout,
+                what=f"{n} to hold every table and apply tick {tick}",
+            )
 
     def sync(self, root: str, names: list[str], timeout: float = 120) -> None:
         """Every named node applied everything committed on the root before now."""

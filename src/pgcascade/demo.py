@@ -1,13 +1,16 @@
-"""The demo: replication between throwaway clusters, under a pgbench workload, with live status.
+"""The demo: a cascade on throwaway clusters, under a pgbench workload, with live status.
 
-Two clusters (root and leaf), pgbench tables on the root, the ticker and the leaf's worker as
-real daemons.  Two tables are replicated from the start; while pgbench runs, the other two
-are added (their initial copy and hand-over happen under load).  At the end the demo checks,
-with its own query on both sides, that every table is equal.
+Three clusters: a root with the pgbench tables, a branch fed by the root (it replicates the
+tables and carries the queue), and a leaf fed by the branch.  Tickers and workers run as real
+daemons.  Two tables are replicated from the start; while pgbench runs, the other two are added
+on every node (their initial copies and hand-overs happen under load, the leaf's after the
+branch's).  At the end the demo checks, with its own query on each side, that every table on
+the branch and the leaf equals the root's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -20,11 +23,10 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from pgcascade import node as nodes
 from pgcascade import subscriber
 from pgcascade.errors import RuntimeFailure
 from pgcascade.localcluster import new_cluster, pg_bindir
-from pgcascade.status import fmt_interval, node_lag, queue_tables
+from pgcascade.status import set_tree
 
 QUEUE = "demo_set"
 FIRST = ["pgbench_accounts", "pgbench_branches"]
@@ -46,46 +48,56 @@ def pgcascade(*args: str) -> None:
         raise RuntimeFailure(f"pgcascade {' '.join(args)}: {r.stderr.strip()}")
 
 
-def status_view(root: psycopg.Connection, leaf: psycopg.Connection, elapsed: float, note: str) -> Group:
-    node = nodes.require_node(leaf, QUEUE)
-    lag = node_lag(leaf, root, node)
-    t = Table(
-        title=f"leaf {node.node_name}: lag {fmt_interval(lag['lag'])}, {lag['ticks_behind']} ticks behind"
-    )
-    t.add_column("table")
-    t.add_column("state")
-    t.add_column("rows on root", justify="right")
-    t.add_column("rows on leaf", justify="right")
-    for st in subscriber.tables(leaf, QUEUE):
-        n_root = root.execute(f"select count(*) from {st.table_name}").fetchone()[0]
-        n_leaf = leaf.execute(f"select count(*) from {st.dest_table}").fetchone()[0]
-        t.add_row(st.table_name, st.state or "NULL", str(n_root), str(n_leaf))
-    return Group(f"[bold]{elapsed:4.0f}s[/bold]  {note}", queue_tables(root), t)
+def status_view(conns: dict[str, psycopg.Connection], elapsed: float, note: str) -> Group:
+    t = Table(title="rows per table and its state on each subscriber")
+    for col in ("table", "root", "branch1", "leaf1"):
+        t.add_column(col, justify="left" if col == "table" else "right")
+    states = {
+        name: {st.table_name: st.state or "NULL" for st in subscriber.tables(conns[name], QUEUE)}
+        for name in ("branch1", "leaf1")
+    }
+    for table in FIRST + LATER:
+        row = [table]
+        for name, conn in conns.items():
+            exists = conn.execute("select to_regclass(%s) is not null", (table,)).fetchone()[0]
+            n = conn.execute(f"select count(*) from {table}").fetchone()[0] if exists else "-"
+            state = "" if name == "root" else f" ({states[name].get('public.' + table, 'not added')})"
+            row.append(f"{n}{state}")
+        t.add_row(*row)
+    return Group(f"[bold]{elapsed:4.0f}s[/bold]  {note}", set_tree(conns["leaf1"], QUEUE), t)
 
 
 def run_demo(seconds: float = 30.0, keep: bool = False) -> None:
     console = Console()
     work = Path(tempfile.mkdtemp(prefix="pgcascade-demo-"))
-    console.print(f"[bold]pgcascade demo[/bold]: root and leaf clusters in {work}")
-    root_cl = new_cluster("root", basedir=work / "clusters")
-    leaf_cl = new_cluster("leaf", basedir=work / "clusters")
-    root_db, leaf_db = root_cl.create_database("shop"), leaf_cl.create_database("shop_copy")
+    console.print(f"[bold]pgcascade demo[/bold]: root, branch and leaf clusters in {work}")
+    clusters = {name: new_cluster(name, basedir=work / "clusters") for name in ("root", "branch1", "leaf1")}
+    dbs = {name: c.create_database("shop") for name, c in clusters.items()}
     procs: list[subprocess.Popen] = []
+
+    def daemon(*args: str) -> None:
+        procs.append(subprocess.Popen([sys.executable, "-m", "pgcascade", "-q", *args]))
+
     try:
         subprocess.run(
-            [str(pg_bindir() / "pgbench"), "-i", "-q", "-s", "2", root_db], check=True, capture_output=True
+            [str(pg_bindir() / "pgbench"), "-i", "-q", "-s", "2", dbs["root"]],
+            check=True,
+            capture_output=True,
         )
-        with psycopg.connect(root_db, autocommit=True) as c:
+        with psycopg.connect(dbs["root"], autocommit=True) as c:
             c.execute("alter table pgbench_history add column hid bigserial primary key")
-        root_ini = write_ini(work / "root.ini", "root", root_db)
-        leaf_ini = write_ini(work / "leaf.ini", "leaf", leaf_db)
-        ticker_ini = write_ini(work / "ticker.ini", "ticker", root_db)
-        pgcascade(str(root_ini), "create-root", "root")
-        pgcascade(str(root_ini), "add-table", *FIRST)
-        pgcascade(str(leaf_ini), "create-leaf", "leaf1", "--provider", root_db)
-        pgcascade(str(leaf_ini), "add-table", *FIRST, "--create")
-        procs.append(subprocess.Popen([sys.executable, "-m", "pgcascade", "-q", "ticker", str(ticker_ini)]))
-        procs.append(subprocess.Popen([sys.executable, "-m", "pgcascade", "-q", str(leaf_ini), "worker"]))
+        ini = {name: write_ini(work / f"{name}.ini", name, db, loop_delay=0.5) for name, db in dbs.items()}
+        tickers = {n: write_ini(work / f"ticker_{n}.ini", f"ticker_{n}", dbs[n]) for n in ("root", "branch1")}
+        pgcascade(str(ini["root"]), "create-root", "root")
+        pgcascade(str(ini["root"]), "add-table", *FIRST)
+        pgcascade(str(ini["branch1"]), "create-branch", "branch1", "--provider", dbs["root"])
+        pgcascade(str(ini["leaf1"]), "create-leaf", "leaf1", "--provider", dbs["branch1"])
+        for n in ("branch1", "leaf1"):
+            pgcascade(str(ini[n]), "add-table", *FIRST, "--create")
+        for n in ("root", "branch1"):
+            daemon("ticker", str(tickers[n]))
+        for n in ("branch1", "leaf1"):
+            daemon(str(ini[n]), "worker")
         load = subprocess.Popen(
             [
                 str(pg_bindir() / "pgbench"),
@@ -98,60 +110,64 @@ def run_demo(seconds: float = 30.0, keep: bool = False) -> None:
                 "300",
                 "-T",
                 str(int(seconds)),
-                root_db,
+                dbs["root"],
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )
         started = time.monotonic()
-        note = f"pgbench at 300 tps; replicating {', '.join(FIRST)}"
+        note = f"pgbench at 300 tps on the root; replicating {', '.join(FIRST)}"
         added = False
-        with (
-            psycopg.connect(root_db, autocommit=True) as root,
-            psycopg.connect(leaf_db, autocommit=True) as leaf,
-            Live(console=console, refresh_per_second=2) as live,
-        ):
+        with contextlib.ExitStack() as stack:
+            conns = {n: stack.enter_context(psycopg.connect(db, autocommit=True)) for n, db in dbs.items()}
+            live = stack.enter_context(Live(console=console, refresh_per_second=2))
             while load.poll() is None:
                 elapsed = time.monotonic() - started
                 if not added and elapsed > seconds / 3:
-                    pgcascade(str(root_ini), "add-table", *LATER)
-                    pgcascade(str(leaf_ini), "add-table", *LATER, "--create")
-                    note = f"pgbench at 300 tps; added {', '.join(LATER)} under load"
+                    pgcascade(str(ini["root"]), "add-table", *LATER)
+                    for n in ("branch1", "leaf1"):
+                        pgcascade(str(ini[n]), "add-table", *LATER, "--create")
+                    note = f"pgbench at 300 tps; added {', '.join(LATER)} on every node under load"
                     added = True
-                live.update(status_view(root, leaf, elapsed, note))
+                live.update(status_view(conns, elapsed, note))
                 time.sleep(0.5)
             if load.returncode != 0:
                 raise RuntimeFailure(f"pgbench failed: {load.stderr.read().decode().strip()}")
-            live.update(status_view(root, leaf, time.monotonic() - started, "pgbench done; waiting for sync"))
-            pgcascade(str(leaf_ini), "wait-sync", "--timeout", "120")
-            live.update(status_view(root, leaf, time.monotonic() - started, "in sync"))
-            check_equal(console, root, leaf)
+            live.update(status_view(conns, time.monotonic() - started, "pgbench done; waiting for sync"))
+            for n in ("branch1", "leaf1"):
+                pgcascade(str(ini[n]), "wait-sync", "--timeout", "120")
+            live.update(status_view(conns, time.monotonic() - started, "in sync"))
+            check_equal(console, conns)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGINT)
                 p.wait(timeout=30)
         if keep:
-            console.print(f"clusters left running: root '{root_db}', leaf '{leaf_db}'; configs in {work}")
+            console.print(
+                f"clusters left running: {', '.join(f'{n} {db!r}' for n, db in dbs.items())}; configs in {work}"
+            )
         else:
-            root_cl.destroy()
-            leaf_cl.destroy()
+            for c in clusters.values():
+                c.destroy()
 
 
-def check_equal(console: Console, root: psycopg.Connection, leaf: psycopg.Connection) -> None:
-    result = Table(title="check: count and md5 of every row, computed on each side")
-    for col in ("table", "rows", "root md5", "leaf md5", ""):
+def check_equal(console: Console, conns: dict[str, psycopg.Connection]) -> None:
+    result = Table(title="check: count and md5 of every row, computed on each node")
+    for col in ("table", "rows", "root md5", "branch1 md5", "leaf1 md5", ""):
         result.add_column(col)
     differ = []
     for t in FIRST + LATER:
-        r = root.execute(CHECKSUM.format(t)).fetchone()
-        s = leaf.execute(CHECKSUM.format(t)).fetchone()
-        same = r == s
+        sums = {n: c.execute(CHECKSUM.format(t)).fetchone() for n, c in conns.items()}
+        same = len(set(sums.values())) == 1
         differ += [] if same else [t]
         result.add_row(
-            t, str(r[0]), r[1][:12], s[1][:12], "[green]equal[/green]" if same else "[red]DIFFERS[/red]"
+            t,
+            str(sums["root"][0]),
+            *(sums[n][1][:12] for n in conns),
+            "[green]equal[/green]" if same else "[red]DIFFERS[/red]",
         )
     console.print(result)
     if differ:
         raise RuntimeFailure(f"demo check FAILED: {', '.join(differ)} differ")
-    console.print("[green]check passed[/green]: the leaf equals the root")
+    console.print("[green]check passed[/green]: the branch and the leaf equal the root")

@@ -86,7 +86,7 @@ def node_lag(conn: psycopg.Connection, prov: psycopg.Connection | None, node: No
     return out
 
 
-def set_tree(conn: psycopg.Connection, queue: str) -> Tree | str:
+def set_tree(conn: psycopg.Connection, queue: str) -> Tree:
     """The set as a tree, root at the top: every node's type, lag behind the root (time and
     ticks), paused flag and last error; nodes that do not answer are marked."""
     from pgcascade.cascade import tree_rows
