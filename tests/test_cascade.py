@@ -472,3 +472,39 @@ def test_stalled_leaf_holds_rotation_until_dropped(cascade, make_db):
         lambda: c.scalar("s1", oldest, (QUEUE,)) > held, 30, what="the root to release the leaf's ticks"
     )
     assert "l\t" not in c.cli("s2", "members").stdout
+
+
+def test_commands_wait_for_the_work_they_depend_on(cascade, make_db):
+    """Seed 004's rule: add-table on a leaf under a branch waits until a table just added on the
+    root reaches the branch (--no-wait refuses); wait-provider and wait-root wait on purpose."""
+    c = cascade
+    for name, cl in (("s1", "a"), ("s2", "b"), ("l", "a")):
+        c.node(name, make_db(cl))
+        with c.dbs[name].connect() as conn:
+            conn.execute('create table "New Table" (id int primary key, v text)')
+    c.create("s1", "root")
+    c.create("s2", "branch", "s1")
+    c.create("l", "leaf", "s2")
+    c.start_all("s1", "s2", "l")
+    c.cli("s1", "pause", "s2")
+    c.cli("s1", "add-table", '"New Table"')
+    c.cli("s2", "add-table", '"New Table"')  # the root lists it: the branch may subscribe at once
+    r = c.cli("l", "add-table", '"New Table"', "--no-wait", check=False)
+    assert r.returncode == 2 and "not replicated by the provider" in r.stderr, r.stderr
+    waiting = c.daemons.start(str(c.ini("l")), "add-table", '"New Table"', "--timeout", "60")
+    time.sleep(1.5)
+    assert waiting.poll() is None, waiting.output()
+    c.cli("s1", "resume", "s2")
+    assert waiting.wait(timeout=60) == 0, waiting.output()
+    with c.dbs["s1"].connect() as conn:
+        conn.execute(
+            """insert into "New Table" select g, repeat('x', g % 7) from generate_series(1, 500) g"""
+        )
+    r = c.cli("l", "wait-root", "--timeout", "60")
+    assert "applied the root's tick" in r.stdout
+    c.cli("l", "wait-provider", "--timeout", "60")
+    wait_until(lambda: c.copying("l") == 0, 60, what="the leaf's copy")
+    c.sync("s1", ["s2"])
+    c.sync("s1", ["l"])
+    c.assert_equal("s1", "l", ('"New Table"',))
+    assert c.scalar("l", 'select count(*) from "New Table"') == 500

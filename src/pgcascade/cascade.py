@@ -630,3 +630,62 @@ def tree_rows(conn: psycopg.Connection, queue: str) -> tuple[list[Member], dict[
             ).fetchone()
             info[m.name] = {"tick": tick, "behind": max(newest - tick, 0), "lag": lag[0] if lag else None}
     return members, info
+
+
+# --- waiting on purpose -----------------------------------------------------------------------------
+
+
+def wait_applied(conn: psycopg.Connection, queue: str, tick: int, what: str, say, timeout: float) -> None:
+    wait_for(
+        f"{what} (tick {tick})",
+        lambda: None if applied_tick(conn, queue) >= tick else f"applied tick {applied_tick(conn, queue)}",
+        timeout,
+        say,
+    )
+
+
+def wait_root(conn: psycopg.Connection, queue: str, say, timeout: float) -> int:
+    """Wait until this node applied everything committed on the root before now."""
+    me = node_of(conn, queue)
+    if me.node_type == "root":
+        return last_tick_of(conn, queue) or 0
+    _, loc = find_root(conn, queue)
+    with connect(loc) as root:
+        tick = q.ticker(root, queue)
+    wait_applied(conn, queue, tick, "the root's changes to arrive here", say, timeout)
+    return tick
+
+
+def wait_provider(conn: psycopg.Connection, queue: str, say, timeout: float) -> int:
+    """Wait until this node applied every tick its provider has now."""
+    me = node_of(conn, queue)
+    with connect(nodes.provider_location(conn, me)) as prov:
+        tick = last_tick_of(prov, queue) or 0
+    wait_applied(conn, queue, tick, f"{me.provider_node}'s ticks to be applied here", say, timeout)
+    return tick
+
+
+def wait_provider_has_tables(
+    conn: psycopg.Connection, prov: psycopg.Connection, queue: str, names: list[str], say, timeout: float
+) -> None:
+    """Tables just added on the root reach a branch's table list with the queue: wait for them
+    there (seed 004: a command waits for the work it depends on), if the root has them."""
+    from pgcascade import capture, catalog
+
+    wanted = [catalog.canonical(prov, n) for n in names]
+    if all(t in capture.set_tables(prov, queue) for t in wanted):
+        return
+    try:
+        _, loc = find_root(conn, queue)
+        with connect(loc) as root:
+            at_root = set(capture.set_tables(root, queue))
+    except (psycopg.OperationalError, RuntimeFailure):
+        return
+    if not all(t in at_root for t in wanted):
+        return  # not on the root either: add_tables says so
+
+    def outstanding() -> str | None:
+        lacking = [t for t in wanted if t not in capture.set_tables(prov, queue)]
+        return f"the provider does not list {', '.join(lacking)} yet" if lacking else None
+
+    wait_for("the tables added on the root to reach the provider", outstanding, timeout, say)

@@ -422,9 +422,18 @@ def resume(ctx: Context, node_name: str | None) -> None:
 @click.option(
     "--allow-local-writes", is_flag=True, help="Subscriber: do not refuse writes of ordinary sessions."
 )
+@click.option("--no-wait", is_flag=True, help="Subscriber: do not wait for tables just added on the root.")
+@click.option("--timeout", default=600.0, show_default=True, help="Subscriber: seconds to wait for them.")
 @pass_ctx
 def add_table(
-    ctx: Context, tables: tuple[str, ...], all_tables: bool, key: str | None, event_format: str, **opts
+    ctx: Context,
+    tables: tuple[str, ...],
+    all_tables: bool,
+    key: str | None,
+    event_format: str,
+    no_wait: bool,
+    timeout: float,
+    **opts,
 ) -> None:
     """Replicate tables: on the root, capture them; on a subscriber, subscribe to them."""
     if not tables and not all_tables:
@@ -438,6 +447,10 @@ def add_table(
             if key or event_format != "json":
                 raise UserError("--key and --format are set on the root, where tables are captured")
             with ctx.provider(conn, node) as prov:
+                if not no_wait and tables:
+                    from pgcascade import cascade
+
+                    cascade.wait_provider_has_tables(conn, prov, ctx.queue(), list(tables), say, timeout)
                 added = subscriber.add_tables(conn, prov, ctx.queue(), list(tables), all_tables, **opts)
     for t in added:
         click.echo(f"added {t}")
@@ -581,6 +594,30 @@ def wait_sync(ctx: Context, timeout: float) -> None:
         with ctx.provider(conn, node) as prov:
             wait(conn, prov, node, timeout)
     click.echo("in sync")
+
+
+@cli.command("wait-root")
+@click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait at most.")
+@pass_ctx
+def wait_root(ctx: Context, timeout: float) -> None:
+    """Wait until this node applied everything committed on the root before now."""
+    from pgcascade import cascade
+
+    with ctx.connect() as conn:
+        tick = cascade.wait_root(conn, ctx.queue(), say, timeout)
+    click.echo(f"applied the root's tick {tick}")
+
+
+@cli.command("wait-provider")
+@click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait at most.")
+@pass_ctx
+def wait_provider(ctx: Context, timeout: float) -> None:
+    """Wait until this node applied every tick its provider has now."""
+    from pgcascade import cascade
+
+    with ctx.connect() as conn:
+        tick = cascade.wait_provider(conn, ctx.queue(), say, timeout)
+    click.echo(f"applied the provider's tick {tick}")
 
 
 # --- daemons ----------------------------------------------------------------------------------
