@@ -7,6 +7,7 @@ an ENABLE ALWAYS audit trigger that no history row was applied twice.
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import subprocess
@@ -324,11 +325,14 @@ def test_seed_illustration_lose_root_then_branch(cascade, make_db, private_clust
     c.sync("s1", ["s2", "s3", "s4"])
     load = pgbench(c.dbs["s1"], "-c", "2", "-j", "2", "-T", "30", "-R", "200")
     time.sleep(2)
+    c.kill_worker("s2")  # both branches fall behind: S1 will die with events nobody else has
+    c.kill_worker("s3")
+    time.sleep(1)
     p1.stop("immediate")  # S1 lost under load
     load.wait(timeout=60)
-    c.kill_worker("s2")  # killed mid-failover work, restarted below
-    r = c.cli("s2", "takeover", "s1", "--dead-root", timeout=240, check=False)
     c.start_worker("s2")
+    c.start_worker("s3")
+    r = c.cli("s2", "takeover", "s1", "--dead-root", timeout=240, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "s2 is the root" in r.stdout
     assert c.scalar("s3", "select provider_node from pgcascade.node where queue_name = %s", (QUEUE,)) == "s2"
@@ -353,6 +357,23 @@ def test_seed_illustration_lose_root_then_branch(cascade, make_db, private_clust
         assert_history_applied_once(c.dbs[n])
     members = c.cli("s2", "members").stdout
     assert "s1" in members and "dead" in members
+    # S1 comes back: what it alone had goes to a file, and it becomes S2's branch
+    p1.start()
+    history = "select aid, tid, bid, delta, mtime::text from pgbench_history"
+    with c.dbs["s1"].connect() as a, c.dbs["s2"].connect() as b:
+        lost_rows = set(a.execute(history).fetchall()) - set(b.execute(history).fetchall())
+    assert lost_rows, "the test meant S1 to die with changes nobody else had"
+    lost_file = c.tmp / "lost.jsonl"
+    r = c.cli("s1", "resurrect", "--lost-events", str(lost_file))
+    assert "s1 is a branch of s2" in r.stdout, r.stdout
+    events = [json.loads(line) for line in lost_file.read_text().splitlines()]
+    inserted = {
+        (d["aid"], d["tid"], d["bid"], d["delta"], d["mtime"].replace("T", " "))
+        for d in (json.loads(e["ev_data"]) for e in events if e["ev_extra1"] == "public.pgbench_history")
+    }
+    assert inserted == lost_rows
+    c.sync("s2", ["s1"])
+    c.assert_equal("s2", "s1")
 
 
 def test_switchover_and_back_under_load(cascade, make_db):

@@ -26,12 +26,13 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import psycopg
 
+from pgcascade import capture, subscriber
 from pgcascade import node as nodes
 from pgcascade import queue as q
-from pgcascade import subscriber
 from pgcascade.errors import RuntimeFailure, UserError, db_error_line
 
 REPORT_EVERY = 10.0  # seconds between "still waiting for ..." lines (seed 004's slonik habit)
@@ -305,8 +306,6 @@ def promote_to_root(conn: psycopg.Connection, queue: str, first_tick: int | None
     """Make this node the root, in one transaction: capture its tables, allow writes, tick.
     Tables of the set it does not hold in sync are left out of the set; their names return.
     `first_tick`: the id of its first own tick (after ticks other nodes saw and it did not)."""
-    from pgcascade import capture
-
     left_out = []
     with conn.transaction():
         conn.execute("select 1 from pgcascade.node where queue_name = %s for update", (queue,))
@@ -339,7 +338,7 @@ def promote_to_root(conn: psycopg.Connection, queue: str, first_tick: int | None
         conn.execute("delete from pgcascade.subscriber_seq where queue_name = %s", (queue,))
         conn.execute(
             "update pgcascade.node set node_type = 'root', provider_node = null, paused = false,"
-            " last_error = null, last_error_time = null where queue_name = %s",
+            " root_since_tick = last_tick, last_error = null, last_error_time = null where queue_name = %s",
             (queue,),
         )
         capture.emit_table_list(conn, queue)
@@ -670,7 +669,7 @@ def wait_provider_has_tables(
 ) -> None:
     """Tables just added on the root reach a branch's table list with the queue: wait for them
     there (seed 004: a command waits for the work it depends on), if the root has them."""
-    from pgcascade import capture, catalog
+    from pgcascade import catalog
 
     wanted = [catalog.canonical(prov, n) for n in names]
     if all(t in capture.set_tables(prov, queue) for t in wanted):
@@ -689,3 +688,96 @@ def wait_provider_has_tables(
         return f"the provider does not list {', '.join(lacking)} yet" if lacking else None
 
     wait_for("the tables added on the root to reach the provider", outstanding, timeout, say)
+
+
+# --- an old root comes back ------------------------------------------------------------------------
+
+
+def resurrect(conn: psycopg.Connection, queue: str, location: str, lost_file: Path, say) -> str:
+    """This database was the root, was taken over while it was lost, and answers again: write
+    the events it has that never reached the set (after the tick the new root took over from) to
+    `lost_file`, one JSON object per line, then make it a branch of the new root whose tables are
+    copied again (its own rows may hold those lost changes)."""
+    me = node_of(conn, queue)
+    if me.node_type != "root":
+        raise UserError(f"{me.node_name} is the {me.node_type}: only an old root is resurrected")
+    roots = [m for m in survey(conn, queue, skip=(me.node_name,)) if m.node and m.node.node_type == "root"]
+    if not roots:
+        raise UserError(f"no other node of {queue} is the root: {me.node_name} still is")
+    new_root = roots[0]
+    with connect(new_root.location) as rc:
+        since = rc.execute(
+            "select root_since_tick from pgcascade.node where queue_name = %s", (queue,)
+        ).fetchone()[0]
+    if since is None:
+        raise RuntimeFailure(f"{new_root.name} does not record where it took over: cannot tell what was lost")
+    lost = write_lost_events(conn, queue, since, lost_file)
+    tables = conn.execute(
+        "select table_name from pgcascade.set_table where queue_name = %s order by 1", (queue,)
+    ).fetchall()
+    seqs = conn.execute("select seq_name from pgcascade.set_seq where queue_name = %s", (queue,)).fetchall()
+    leave_set(conn, queue)
+    nodes.create_subscriber(conn, queue, me.node_name, "branch", location, new_root.location)
+    with connect(new_root.location) as rc:
+        announce_location(rc, queue, me.node_name, location)
+        in_set = capture.set_tables(rc, queue)
+        with conn.transaction():
+            for (t,) in tables:
+                if t in in_set and _exists(conn, t):
+                    conn.execute(
+                        "insert into pgcascade.subscriber_table (queue_name, table_name, dest_table, key_columns)"
+                        " select queue_name, table_name, table_name, key_columns from pgcascade.set_table"
+                        " where queue_name = %s and table_name = %s",
+                        (queue, t),
+                    )
+                    conn.execute("select pgcascade.protect_table(%s::regclass, true)", (t,))
+            for (sq,) in seqs:
+                conn.execute(
+                    "insert into pgcascade.subscriber_seq (queue_name, seq_name, dest_seq) values (%s, %s, %s)",
+                    (queue, sq, sq),
+                )
+    say(f"{lost} events that never reached the set written to {lost_file}")
+    return f"{me.node_name} is a branch of {new_root.name}; its tables are copied again from there"
+
+
+def write_lost_events(conn: psycopg.Connection, queue: str, since: int, path: Path) -> int:
+    """Every event of this queue after tick `since` (a last tick first takes in those not ticked
+    yet), streamed to `path` as JSON lines, in event order."""
+    import json
+
+    q.ticker(conn, queue)
+    probe = ".resurrect"
+    if not has_tick(conn, queue, since):
+        raise RuntimeFailure(
+            f"tick {since} is no longer in this node's queue: the lost events cannot be read"
+        )
+    conn.execute("select pgcascade.register_consumer_at(%s, %s, %s)", (queue, probe, since))
+    n = 0
+    with path.open("w") as out:
+        while True:
+            batch = conn.execute("select pgcascade.next_batch(%s, %s)", (queue, probe)).fetchone()[0]
+            if batch is None:
+                break
+            with conn.transaction(), conn.cursor(name="lost") as cur:
+                cur.execute(
+                    "select ev_id, ev_time::text, ev_txid, ev_type, ev_data, ev_extra1, ev_extra2, ev_extra3,"
+                    " ev_extra4 from pgcascade.get_batch_events(%s) order by ev_id",
+                    (batch,),
+                )
+                for row in cur:
+                    keys = (
+                        "ev_id",
+                        "ev_time",
+                        "ev_txid",
+                        "ev_type",
+                        "ev_data",
+                        "ev_extra1",
+                        "ev_extra2",
+                        "ev_extra3",
+                        "ev_extra4",
+                    )
+                    out.write(json.dumps(dict(zip(keys, row, strict=True))) + "\n")
+                    n += 1
+            conn.execute("select pgcascade.finish_batch(%s)", (batch,))
+    q.unregister_consumer(conn, queue, probe)
+    return n

@@ -364,6 +364,22 @@ def takeover(ctx: Context, old_node: str, dead_root: bool, dead_branch: bool, ti
         click.echo(cascade.take_subscribers(conn, ctx.queue(), old_node, False, say, timeout))
 
 
+@cli.command()
+@click.option(
+    "--lost-events",
+    type=click.Path(dir_okay=False),
+    help="File for the events that never reached the set (default: JOB_NAME.lost-events.jsonl beside the config).",
+)
+@pass_ctx
+def resurrect(ctx: Context, lost_events: str | None) -> None:
+    """An old root that was taken over comes back: save what it alone had, make it a branch."""
+    from pgcascade import cascade
+
+    path = Path(lost_events or ctx.cfg.path.parent / f"{ctx.cfg.job_name}.lost-events.jsonl")
+    with ctx.connect() as conn:
+        click.echo(cascade.resurrect(conn, ctx.queue(), ctx.db(), path, say))
+
+
 @cli.command("drop-node")
 @click.argument("node_name")
 @pass_ctx

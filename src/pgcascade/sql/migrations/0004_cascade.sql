@@ -14,3 +14,7 @@ create table pgcascade.node_watermark (
     reported    timestamptz not null default now(),
     primary key (queue_name, node_name)
 );
+
+-- the last tick of the old root's history a node carried when it became the root: what a
+-- resurrected old root had after it never reached the set
+alter table pgcascade.node add column root_since_tick int8;
