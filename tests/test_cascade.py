@@ -53,13 +53,13 @@ class Cascade:
     def ini(self, name: str) -> Path:
         return self.tmp / f"{name}.ini"
 
-    def node(self, name: str, db, **extra: object) -> None:
+    def node(self, name: str, db, queue_name: str = QUEUE, **extra: object) -> None:
         self.dbs[name] = db
         lines = [
             "[pgcascade]",
             f"job_name = {name}",
             f"db = {db.connstr}",
-            f"queue_name = {QUEUE}",
+            f"queue_name = {queue_name}",
             f"logfile = {self.tmp}/{name}.log",
             f"pidfile = {self.tmp}/{name}.pid",
             "loop_delay = 0.2",
@@ -529,3 +529,130 @@ def test_commands_wait_for_the_work_they_depend_on(cascade, make_db):
     c.sync("s1", ["l"])
     c.assert_equal("s1", "l", ('"New Table"',))
     assert c.scalar("l", 'select count(*) from "New Table"') == 500
+
+
+PART_DDL = (
+    "create table orders (id int8 primary key, part text not null, v int not null);"
+    "create table log (part text, n bigserial, at timestamptz, primary key (part, n));"
+)
+
+
+def part_script(tmp: Path, part: str, first_id: int) -> Path:
+    f = tmp / f"part_{part}.sql"
+    f.write_text(
+        f"\\set id random({first_id}, {first_id + 2000})\n"
+        f"insert into orders values (:id, '{part}', 1) on conflict (id) do update set v = orders.v + 1;\n"
+        f"insert into log (part, at) values ('{part}', now());\n"
+    )
+    return f
+
+
+def add_log_audit(db) -> None:
+    with db.connect() as conn:
+        conn.execute("create table log_audit (part text, n int8, op text)")
+        conn.execute(
+            "create function audit_log() returns trigger language plpgsql as $$"
+            " begin insert into log_audit values (new.part, new.n, tg_op); return null; end $$"
+        )
+        conn.execute(
+            "create trigger audit after insert or update on log for each row execute function audit_log()"
+        )
+        conn.execute("alter table log enable always trigger audit")
+
+
+def part_checksum(db, table: str, part: str) -> tuple:
+    with db.connect() as conn:
+        return conn.execute(
+            f"select count(*), md5(string_agg(t::text, E'\\n' order by t::text)) from {table} t where part = %s",
+            (part,),
+        ).fetchone()
+
+
+def test_combined_partitions_with_the_combined_root_lost(cascade, make_db, private_clusters):
+    """Seed 003's complex illustration, two partitions: A1 and B1 are partition roots; on C, a
+    merge-leaf per partition feeds the combined root; F is the combined-failover (a branch of
+    the combined queue, with merge-leafs that follow); S3 is a branch under C.  C is lost under
+    load: F takes over, its merge-leafs continue from the partitions, S3 moves to F, and both
+    end equal to the union of the partitions with no row applied twice."""
+    c = cascade
+    (pc,) = private_clusters(1)
+    dbs = {"a1": make_db("a"), "b1": make_db("b"), "c": PrivateDb(pc), "f": make_db("a"), "s3": make_db("b")}
+    for db in dbs.values():
+        with db.connect() as conn:
+            conn.execute(PART_DDL)
+    for name in ("f", "s3"):
+        add_log_audit(dbs[name])
+    jobs = {  # job -> (db, queue)
+        "a1": ("a1", "part_a"),
+        "b1": ("b1", "part_b"),
+        "c": ("c", "combined"),
+        "c_a": ("c", "part_a"),
+        "c_b": ("c", "part_b"),
+        "f": ("f", "combined"),
+        "f_a": ("f", "part_a"),
+        "f_b": ("f", "part_b"),
+        "s3": ("s3", "combined"),
+    }
+    for job, (db, queue) in jobs.items():
+        c.node(job, dbs[db], queue_name=queue)
+    for name in ("a1", "b1", "c"):
+        c.cli(name, "create-root", name)
+    c.cli("a1", "add-table", "orders", "log")
+    c.cli("b1", "add-table", "orders", "log")
+    for leaf, part_root in (("c_a", "a1"), ("c_b", "b1")):
+        c.cli(leaf, "create-leaf", leaf, "--provider", dbs[part_root].connstr, "--merge", "combined")
+        c.cli(leaf, "add-table", "orders", "log", "--skip-truncate")
+    for name in ("f", "s3"):
+        c.cli(name, "create-branch", name, "--provider", dbs["c"].connstr)
+        c.cli(name, "add-table", "orders", "log")
+    for leaf, part_root in (("f_a", "a1"), ("f_b", "b1")):
+        c.cli(leaf, "create-leaf", leaf, "--provider", dbs[part_root].connstr, "--merge", "combined")
+        c.cli(leaf, "add-table", "orders", "log", "--expect-sync")
+    for db in ("a1", "b1", "c", "f", "s3"):
+        c.start_ticker(db)
+    for job in jobs:
+        c.start_worker(job)
+    for job in ("c_a", "c_b", "f", "s3"):
+        c.cli(job, "wait-sync", "--timeout", "120")
+    loads = [
+        pgbench(dbs["a1"], "-c", "1", "-T", "14", "-R", "100", "-f", str(part_script(c.tmp, "a", 1))),
+        pgbench(dbs["b1"], "-c", "1", "-T", "14", "-R", "100", "-f", str(part_script(c.tmp, "b", 100000))),
+    ]
+    rng = random.Random(5)
+    for _ in range(4):
+        time.sleep(rng.uniform(0.3, 1.0))
+        victim = rng.choice(["c_a", "c_b", "f", "s3", "f_a"])
+        c.kill_worker(victim)
+        c.start_worker(victim)
+    time.sleep(1)
+    for job in ("c", "c_a", "c_b"):
+        c.kill_worker(job)
+    pc.stop("immediate")  # the combined root is lost while the partitions keep writing
+    r = c.cli("f", "takeover", "c", "--dead-root", timeout=240, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert c.scalar("s3", "select provider_node from pgcascade.node where queue_name = 'combined'") == "f", r.stdout
+    for load in loads:
+        assert load.wait(timeout=60) == 0, load.stderr.read()
+    for leaf in ("f_a", "f_b"):
+        c.cli(leaf, "wait-root", "--timeout", "120")  # every partition change is in F
+    with dbs["f"].connect() as conn:
+        target = conn.execute("select pgcascade.ticker('combined')").fetchone()[0]
+    wait_until(
+        lambda: (
+            c.scalar("s3", "select last_tick from pgcascade.node where queue_name = 'combined'") >= target
+        ),
+        120,
+        what="s3 to follow f",
+    )
+    for table in ("orders", "log"):
+        for part, root in (("a", "a1"), ("b", "b1")):
+            want = part_checksum(dbs[root], table, part)
+            assert want[0] > 0
+            assert part_checksum(dbs["f"], table, part) == want, f"{table} of partition {part} differs on f"
+            assert part_checksum(dbs["s3"], table, part) == want, f"{table} of partition {part} differs on s3"
+    for name in ("f", "s3"):
+        with dbs[name].connect() as conn:
+            rows, distinct, updates = conn.execute(
+                "select count(*), count(distinct (part, n)), count(*) filter (where op <> 'INSERT') from log_audit"
+            ).fetchone()
+        assert updates == 0 and rows == distinct, (name, rows, distinct, updates)

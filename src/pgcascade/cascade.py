@@ -781,3 +781,23 @@ def write_lost_events(conn: psycopg.Connection, queue: str, since: int, path: Pa
             conn.execute("select pgcascade.finish_batch(%s)", (batch,))
     q.unregister_consumer(conn, queue, probe)
     return n
+
+
+# --- combined partitions ------------------------------------------------------------------------------
+
+
+def register_merged_tables(conn: psycopg.Connection, combined: str, part: str, tables: list[str]) -> None:
+    """Tables a merge-leaf applies become tables of the combined set (on its root: on a
+    combined-failover branch the list comes from the root), announced with a table-list event."""
+    cnode = nodes.get_node(conn, combined)
+    if cnode is None or cnode.node_type != "root":
+        return
+    with conn.transaction():
+        for t in tables:
+            conn.execute(
+                "insert into pgcascade.set_table (queue_name, table_name, key_columns)"
+                " select %s, table_name, key_columns from pgcascade.subscriber_table"
+                " where queue_name = %s and table_name = %s on conflict do nothing",
+                (combined, part, t),
+            )
+        capture.emit_table_list(conn, combined)

@@ -266,13 +266,18 @@ def create_root(ctx: Context, node_name: str, location: str | None) -> None:
 
 
 def create_subscriber(
-    ctx: Context, node_type: str, node_name: str, location: str | None, provider: str
+    ctx: Context,
+    node_type: str,
+    node_name: str,
+    location: str | None,
+    provider: str,
+    merge: str | None = None,
 ) -> None:
     from pgcascade import cascade
 
     with ctx.connect() as conn:
         loc = location or ctx.db()
-        created = nodes.create_subscriber(conn, ctx.queue(), node_name, node_type, loc, provider)
+        created = nodes.create_subscriber(conn, ctx.queue(), node_name, node_type, loc, provider, merge)
         if created and not cascade.announce_at_root(conn, ctx.queue(), node_name, loc):
             click.echo("the root is unreachable: other nodes learn this node's location later", err=True)
     click.echo(f"{node_type} {node_name} of {ctx.queue()}: {'created' if created else 'exists already'}")
@@ -292,10 +297,13 @@ def create_branch(ctx: Context, node_name: str, location: str | None, provider: 
 @click.argument("node_name")
 @click.argument("location", required=False)
 @click.option("--provider", "provider", required=True, help="Connection string of the provider node.")
+@click.option(
+    "--merge", help="A merge-leaf: also write the changes into this combined queue (a set rooted here)."
+)
 @pass_ctx
-def create_leaf(ctx: Context, node_name: str, location: str | None, provider: str) -> None:
+def create_leaf(ctx: Context, node_name: str, location: str | None, provider: str, merge: str | None) -> None:
     """Make this database a leaf of the set, fed by the provider."""
-    create_subscriber(ctx, "leaf", node_name, location, provider)
+    create_subscriber(ctx, "leaf", node_name, location, provider, merge)
 
 
 # --- the cascade ------------------------------------------------------------------------------
@@ -468,6 +476,10 @@ def add_table(
 
                     cascade.wait_provider_has_tables(conn, prov, ctx.queue(), list(tables), say, timeout)
                 added = subscriber.add_tables(conn, prov, ctx.queue(), list(tables), all_tables, **opts)
+            if node.combined_queue and added:
+                from pgcascade import cascade
+
+                cascade.register_merged_tables(conn, node.combined_queue, ctx.queue(), added)
     for t in added:
         click.echo(f"added {t}")
 

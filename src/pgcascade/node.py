@@ -58,6 +58,7 @@ class Node:
     last_tick: int | None
     paused: bool
     last_error: str | None
+    combined_queue: str | None = None  # a merge-leaf: the combined queue it feeds
 
     @property
     def role(self) -> NodeRole:
@@ -69,8 +70,8 @@ def get_node(conn: psycopg.Connection, queue_name: str) -> Node | None:
         return None
     with conn.cursor(row_factory=class_row(Node)) as cur:
         return cur.execute(
-            "select queue_name, node_name, node_type, provider_node, worker_name, last_tick, paused, last_error"
-            " from pgcascade.node where queue_name = %s",
+            "select queue_name, node_name, node_type, provider_node, worker_name, last_tick, paused, last_error,"
+            " combined_queue from pgcascade.node where queue_name = %s",
             (queue_name,),
         ).fetchone()
 
@@ -143,14 +144,22 @@ def create_subscriber(
     node_type: str,
     location: str,
     provider_connstr: str,
+    merge: str | None = None,
 ) -> bool:
     """Install the schema here and make this database a leaf or a branch of the set: register
     it as a consumer on the provider's queue and record the provider's view of the set's
     locations.  A branch gets a queue of its own that starts at the tick it registered at,
-    and a copy of the set's table list (its own subscribers choose from it)."""
+    and a copy of the set's table list (its own subscribers choose from it).  A leaf given
+    `merge` (a combined queue of this database) is a merge-leaf."""
     schema.install(conn)
     if already_node(conn, queue_name, node_name, node_type):
         return False
+    if merge is not None:
+        combined = get_node(conn, merge)
+        if node_type != "leaf" or combined is None or not combined.role.has_queue:
+            raise UserError(
+                f"--merge={merge}: a merge-leaf needs the combined set's root or branch in this database first"
+            )
     with psycopg.connect(provider_connstr, autocommit=True, connect_timeout=10) as prov:
         pnode = get_node(prov, queue_name)
         if pnode is None or not pnode.role.has_queue:
@@ -180,9 +189,9 @@ def create_subscriber(
             )
             mirror_set_tables(conn, queue_name, set_tables)
         conn.execute(
-            "insert into pgcascade.node (queue_name, node_name, node_type, provider_node, worker_name, last_tick)"
-            " values (%s, %s, %s, %s, %s, %s)",
-            (queue_name, node_name, node_type, pnode.node_name, node_name, tick),
+            "insert into pgcascade.node (queue_name, node_name, node_type, provider_node, worker_name, last_tick,"
+            " combined_queue) values (%s, %s, %s, %s, %s, %s, %s)",
+            (queue_name, node_name, node_type, pnode.node_name, node_name, tick, merge),
         )
         for name, loc in locations:
             set_location(conn, queue_name, name, loc)

@@ -43,6 +43,7 @@ from pgcascade.apply import (
     TableApplier,
     apply_staged,
     carry_staged,
+    merge_staged,
     stage_batch,
 )
 from pgcascade.config import JobConfig
@@ -183,6 +184,9 @@ class Worker(Daemon):
             sub, prov, node = self.connect()
             if prov is None or node.paused:
                 return False
+            if node.combined_queue and not self.combined_is_root(sub, node):
+                self.follow_combined(prov, node)
+                return False
             self.manage_copies(sub, node, subscriber.tables(sub, self.queue))
             # read the states again: manage_copies may have handed a table over (do-sync),
             # and no batch may be applied past that tick until the copy process says ok
@@ -218,7 +222,7 @@ class Worker(Daemon):
     ) -> None:
         started = time.monotonic()
         appliers = self.appliers_for(sub, prov, tables)
-        carry = node.role.copies_events
+        carry = node.role.copies_events or bool(node.combined_queue)
         with sub.transaction():
             sub.execute(APPLY_SETTINGS)
             last, provider, node_type = sub.execute(
@@ -231,14 +235,18 @@ class Worker(Daemon):
                 stats = None
             else:
                 stage_batch(prov, sub, info.batch_id, carry=carry)
-                if carry:
+                if node.combined_queue:
+                    self.drop_partition_truncates(sub)
+                elif carry:
                     carry_staged(sub, self.queue)
                 stats = apply_staged(sub, appliers, queue=self.queue)
+                if node.combined_queue:
+                    merge_staged(sub, node.combined_queue, self.queue, info.cur_tick_id, list(appliers))
                 if stats.table_list is not None:
                     self.drop_tables_left_the_set(sub, prov, tables, stats.table_list)
-                    if carry:
+                    if node.role.copies_events:
                         nodes.mirror_set_tables(sub, self.queue, provider_set_tables(prov, self.queue))
-                if carry:
+                if node.role.copies_events:
                     sub.execute(
                         "select pgcascade.branch_tick(%s, %s, %s, %s)",
                         (self.queue, info.cur_tick_id, info.cur_tick_time, info.cur_tick_event_seq),
@@ -264,6 +272,28 @@ class Worker(Daemon):
         log.info(
             "{count: %d, ignored: %d, duration: %.3f}", stats.count, stats.ignored, time.monotonic() - started
         )
+
+    # --- a merge-leaf (combined partitions) ---
+    def combined_is_root(self, sub: psycopg.Connection, node: nodes.Node) -> bool:
+        combined = nodes.get_node(sub, node.combined_queue)
+        return combined is not None and combined.node_type == "root"
+
+    def follow_combined(self, prov: psycopg.Connection, node: nodes.Node) -> None:
+        """On a combined-failover node the combined queue brings this partition's changes (its
+        markers move node.last_tick): keep the partition's history only from there on, and
+        apply nothing until a takeover makes the combined node here the root."""
+        pos = prov.execute(
+            "select tick_id from pgcascade.consumer_tick(%s, %s)", (self.queue, node.worker_name)
+        ).fetchone()
+        if node.last_tick and pos and pos[0] < node.last_tick:
+            resume_at(prov, self.queue, node.worker_name, node.last_tick)
+
+    @staticmethod
+    def drop_partition_truncates(sub: psycopg.Connection) -> None:
+        """A partition's TRUNCATE would empty the merged table of every partition: not applied."""
+        n = sub.execute("delete from pg_temp.pgcascade_stage where ev_type = 'R'").rowcount
+        if n:
+            log.warning("merge-leaf: %d TRUNCATE events of the partition not applied to the merged tables", n)
 
     def report_watermark(self, sub: psycopg.Connection, prov: psycopg.Connection, node: nodes.Node) -> None:
         """Tell the provider the lowest tick this node and the nodes below it still need (at

@@ -104,6 +104,9 @@ end $$;
 --   pgcascade.location   data = node name, extra1 = its location (null: the node left the set),
 --                        extra2 = 'dead' when the node is lost
 --   pgcascade.watermark  data = the global watermark tick
+--   pgcascade.part-tick  data = a tick of partition queue extra1 whose changes the batch
+--                        carries: a merge-leaf of that partition here (a combined-failover
+--                        node) is at that tick now
 create or replace function pgcascade.apply_cascade_event(
     i_queue_name text, i_type text, i_data text, i_extra1 text, i_extra2 text)
 returns void
@@ -120,6 +123,9 @@ begin
         end if;
     elsif i_type = 'pgcascade.watermark' then
         perform pgcascade.set_global_watermark(i_queue_name, i_data::int8);
+    elsif i_type = 'pgcascade.part-tick' then
+        update pgcascade.node set last_tick = greatest(last_tick, i_data::int8)
+         where queue_name = i_extra1 and combined_queue = i_queue_name;
     end if;
 end $$;
 

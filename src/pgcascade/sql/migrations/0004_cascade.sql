@@ -18,3 +18,7 @@ create table pgcascade.node_watermark (
 -- the last tick of the old root's history a node carried when it became the root: what a
 -- resurrected old root had after it never reached the set
 alter table pgcascade.node add column root_since_tick int8;
+
+-- a merge-leaf: a leaf of a partition's queue whose worker also writes the partition's changes
+-- into this database's combined queue (seed 003's combined partitions)
+alter table pgcascade.node add column combined_queue text;
