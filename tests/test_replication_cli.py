@@ -439,8 +439,6 @@ def test_usage_errors_exit_2_with_one_line(replica, tmp_path):
         (("add-seq",), "needs sequence names"),
         (("remove-seq", "nosuch"), "not in the set"),
         (("resync", "public.a"), "subscriber verb"),
-        (("worker",), "no worker"),
-        (("replay",), "no worker"),
         (("execute", str(tmp_path / "nosuch.sql")), "does not exist"),
         (("add-table", "--nosuchoption"), "No such option"),
         (("nosuchverb",), "No such command"),
