@@ -187,8 +187,6 @@ class Pgcascade:
         self.cli("root", "create-root", "root")
         self.cli("root", "add-table", *TABLES)
         self.cli("root", "add-seq", "--all")
-        with psycopg.connect(self.dsns["root"], autocommit=True) as c:
-            c.execute("select pgcascade.set_queue_config(%s, 'ticker_max_lag', '20ms')", (QUEUE,))
         for n, p in PROVIDER.items():
             self.cli(n, f"create-{'leaf' if n == 'leaf' else 'branch'}", n, "--provider", self.dsns[p])
             self.cli(n, "add-table", "--all")
