@@ -66,8 +66,22 @@ class Node:
 
 
 def get_node(conn: psycopg.Connection, queue_name: str) -> Node | None:
-    if schema.installed_version(conn) == 0:
+    # one round trip where it can (the worker asks every round); the schema check first
+    # inside a transaction, where a missing table would abort it
+    idle = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE and conn.autocommit
+    if not idle and schema.installed_version(conn) == 0:
         return None
+    try:
+        return _select_node(conn, queue_name)
+    except psycopg.errors.UndefinedTable:
+        return None
+    except psycopg.errors.UndefinedColumn:
+        raise UserError(
+            "the pgcascade schema in this database is older than this release: run `pgcascade CONFIG install`"
+        ) from None
+
+
+def _select_node(conn: psycopg.Connection, queue_name: str) -> Node | None:
     with conn.cursor(row_factory=class_row(Node)) as cur:
         return cur.execute(
             "select queue_name, node_name, node_type, provider_node, worker_name, last_tick, paused, last_error,"

@@ -187,10 +187,11 @@ class Worker(Daemon):
             if node.combined_queue and not self.combined_is_root(sub, node):
                 self.follow_combined(prov, node)
                 return False
-            self.manage_copies(sub, node, subscriber.tables(sub, self.queue))
-            # read the states again: manage_copies may have handed a table over (do-sync),
-            # and no batch may be applied past that tick until the copy process says ok
             tables = subscriber.tables(sub, self.queue)
+            if self.manage_copies(sub, node, tables):
+                # read the states again: a table handed over (do-sync) must not be applied
+                # past that tick until the copy process says ok
+                tables = subscriber.tables(sub, self.queue)
             if any((t.state or "").startswith("do-sync") for t in tables):
                 return False  # the copy process is catching up to our tick
             caps = [state_tick(t.state) for t in tables if (t.state or "").startswith("wanna-sync")]
@@ -349,9 +350,11 @@ class Worker(Daemon):
     # --- copy processes ---
     def manage_copies(
         self, sub: psycopg.Connection, node: nodes.Node, tables: list[subscriber.SubscriberTable]
-    ) -> None:
+    ) -> bool:
+        """Hand tables over and start copies; whether any table's state changed."""
         for name in [n for n, p in self.copies.items() if p.poll() is not None]:
             del self.copies[name]
+        changed = False
         for t in tables:
             if t.state == "ok":
                 continue
@@ -360,6 +363,7 @@ class Worker(Daemon):
                 if (node.last_tick or 0) >= wanted:
                     subscriber.set_state(sub, self.queue, t.table_name, f"do-sync:{node.last_tick}")
                     log.info("%s: wanna-sync:%d -> do-sync:%d", t.table_name, wanted, node.last_tick)
+                    changed = True
             if self.copy_running(t):
                 continue
             if t.state is None:
@@ -367,7 +371,9 @@ class Worker(Daemon):
                     continue
                 subscriber.set_state(sub, self.queue, t.table_name, "in-copy")
                 log.info("%s: starting initial copy", t.table_name)
+                changed = True
             self.launch_copy(t.table_name)
+        return changed
 
     def copy_running(self, t: subscriber.SubscriberTable) -> bool:
         p = self.copies.get(t.table_name)
