@@ -87,6 +87,12 @@ class Cascade:
         else:
             self.cli(name, f"create-{kind}", name, "--provider", self.dbs[provider].connstr)
 
+    def pgbench_root(self, name: str) -> None:
+        """The root `name` with the pgbench tables (scale 1) in its set."""
+        pgbench_init(self.dbs[name])
+        self.create(name, "root")
+        self.cli(name, "add-table", *PGBENCH_TABLES)
+
     def start_ticker(self, name: str) -> None:
         self.tickers[name] = self.daemons.start("ticker", str(self.tmp / f"ticker-{name}.ini"))
 
@@ -243,9 +249,7 @@ def test_branches_carry_identical_batches_and_feed_leaves(cascade, make_db):
     c = cascade
     for name, cl in (("s1", "a"), ("s2", "b"), ("s3", "a"), ("s4", "b"), ("s5", "b")):
         c.node(name, make_db(cl))
-    pgbench_init(c.dbs["s1"])
-    c.create("s1", "root")
-    c.cli("s1", "add-table", *PGBENCH_TABLES)
+    c.pgbench_root("s1")
     c.create("s2", "branch", "s1")
     c.create("s3", "branch", "s1")
     c.create("s4", "leaf", "s3")
@@ -303,9 +307,7 @@ def test_seed_illustration_lose_root_then_branch(cascade, make_db, private_clust
     c.node("s2", make_db("a"))
     c.node("s3", PrivateDb(p3))
     c.node("s4", make_db("b"))
-    pgbench_init(c.dbs["s1"])
-    c.create("s1", "root")
-    c.cli("s1", "add-table", *PGBENCH_TABLES)
+    c.pgbench_root("s1")
     c.cli("s1", "add-seq", "--all")
     for n, kind, prov in (("s2", "branch", "s1"), ("s3", "branch", "s1"), ("s4", "leaf", "s3")):
         copy_schema(c.dbs["s1"], c.dbs[n])
@@ -396,9 +398,13 @@ def test_switchover_and_back_under_load(cascade, make_db):
     add_apply_audit(c.dbs["s3"])
     c.start_all("s1", "s2", "s3")
     c.sync("s1", ["s2", "s3"])
+    rng = random.Random(13)
     for new_root, old_root in (("s2", "s1"), ("s1", "s2")):
         load = pgbench(c.dbs[old_root], "-c", "2", "-j", "2", "-T", "6", "-R", "200")
-        time.sleep(2)
+        for victim in (new_root, "s3", old_root):  # every worker killed once before the takeover
+            time.sleep(rng.uniform(0.2, 0.7))
+            c.kill_worker(victim)
+            c.start_worker(victim)
         r = c.cli(new_root, "takeover", old_root, timeout=240)
         assert f"{new_root} is the root" in r.stdout and "left out" not in r.stdout, r.stdout
         blocked = float(r.stdout.split("writes were refused for ")[1].split("s")[0])
@@ -422,9 +428,7 @@ def test_change_provider_to_nodes_behind_and_ahead(cascade, make_db):
     c = cascade
     for name, cl in (("s1", "a"), ("s2", "b"), ("s3", "a"), ("l", "b")):
         c.node(name, make_db(cl))
-    pgbench_init(c.dbs["s1"])
-    c.create("s1", "root")
-    c.cli("s1", "add-table", *PGBENCH_TABLES)
+    c.pgbench_root("s1")
     c.create("s2", "branch", "s1")
     c.create("s3", "branch", "s1")
     c.create("l", "leaf", "s2")
@@ -466,9 +470,7 @@ def test_stalled_leaf_holds_rotation_until_dropped(cascade, make_db):
     c = cascade
     for name, cl in (("s1", "a"), ("s2", "b"), ("l", "a")):
         c.node(name, make_db(cl))
-    pgbench_init(c.dbs["s1"])
-    c.create("s1", "root")
-    c.cli("s1", "add-table", *PGBENCH_TABLES)
+    c.pgbench_root("s1")
     c.create("s2", "branch", "s1")
     c.create("l", "leaf", "s2")
     for n in ("s2", "l"):
@@ -630,7 +632,9 @@ def test_combined_partitions_with_the_combined_root_lost(cascade, make_db, priva
     pc.stop("immediate")  # the combined root is lost while the partitions keep writing
     r = c.cli("f", "takeover", "c", "--dead-root", timeout=240, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert c.scalar("s3", "select provider_node from pgcascade.node where queue_name = 'combined'") == "f", r.stdout
+    assert c.scalar("s3", "select provider_node from pgcascade.node where queue_name = 'combined'") == "f", (
+        r.stdout
+    )
     for load in loads:
         assert load.wait(timeout=60) == 0, load.stderr.read()
     for leaf in ("f_a", "f_b"):

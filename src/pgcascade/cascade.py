@@ -194,10 +194,6 @@ def has_tick(conn: psycopg.Connection, queue: str, tick: int) -> bool:
     ).fetchone()[0]
 
 
-def node_of(conn: psycopg.Connection, queue: str) -> nodes.Node:
-    return nodes.require_node(conn, queue)
-
-
 # --- moving a subscriber --------------------------------------------------------------------------
 
 
@@ -229,7 +225,7 @@ def change_provider(
     """Move this subscriber to another node with a queue, at the tick it applied last: the
     same batches follow there, so nothing is skipped or applied twice.  A new provider that
     is behind is waited for; one that no longer has the tick is refused."""
-    node = node_of(sub, queue)
+    node = nodes.require_node(sub, queue)
     if not node.role.reads_provider_queue:
         raise UserError(f"node {node.node_name} is the {node.node_type}: it has no provider")
     if new_provider == node.node_name:
@@ -397,10 +393,10 @@ def switchover(
     new: psycopg.Connection, queue: str, old_name: str, say: Callable[[str], None], timeout: float
 ) -> str:
     """The branch `new` takes the live root's place; the old root becomes its branch."""
-    me = node_of(new, queue)
+    me = nodes.require_node(new, queue)
     old_loc = _location(new, queue, old_name)
     with connect(old_loc) as old:
-        onode = node_of(old, queue)
+        onode = nodes.require_node(old, queue)
 
         def close_behind() -> str | None:
             # a few ticks: under load the root ticks every few tens of ms, each a batch to apply
@@ -443,7 +439,7 @@ def failover(
 ) -> str:
     """The root is lost: this branch becomes the root, after catching up from the most
     advanced surviving branch, and every survivor that fed from the dead root follows it."""
-    me = node_of(new, queue)
+    me = nodes.require_node(new, queue)
     if not me.role.has_queue:
         raise UserError(f"{me.node_name} is a leaf: only a branch can become the root")
     dead_loc = _location(new, queue, dead_name)
@@ -490,7 +486,7 @@ def failover(
             if bc is not None:
                 forget_subscriber(bc, queue, me.node_name, me.worker_name)
     for m in members:
-        if m.node is None and not m.dead:
+        if m.node is None and not m.dead and m.name != dead_name:
             report.append(f"{m.name}: unreachable ({m.error}); not redirected")
     return "\n".join(report)
 
@@ -499,7 +495,7 @@ def take_subscribers(
     new: psycopg.Connection, queue: str, old_name: str, dead: bool, say: Callable[[str], None], timeout: float
 ) -> str:
     """This node takes over a branch's subscribers (the branch is dead, or just retiring)."""
-    me = node_of(new, queue)
+    me = nodes.require_node(new, queue)
     if not me.role.has_queue:
         raise UserError(f"{me.node_name} is a leaf: it cannot feed other nodes")
     old_loc = _location(new, queue, old_name)
@@ -596,11 +592,11 @@ def leave_set(conn: psycopg.Connection, queue: str) -> None:
 
 def set_paused(conn: psycopg.Connection, queue: str, name: str, paused: bool) -> str:
     """Pause or resume a node's worker, through the node's own database."""
-    me = node_of(conn, queue)
+    me = nodes.require_node(conn, queue)
     loc = None if name == me.node_name else _location(conn, queue, name)
     with contextlib.ExitStack() as stack:
         target = conn if loc is None else stack.enter_context(connect(loc))
-        n = node_of(target, queue)
+        n = nodes.require_node(target, queue)
         target.execute("update pgcascade.node set paused = %s where queue_name = %s", (paused, queue))
     return f"{n.node_name}: {'paused' if paused else 'resumed'}"
 
@@ -646,7 +642,7 @@ def wait_applied(conn: psycopg.Connection, queue: str, tick: int, what: str, say
 
 def wait_root(conn: psycopg.Connection, queue: str, say, timeout: float) -> int:
     """Wait until this node applied everything committed on the root before now."""
-    me = node_of(conn, queue)
+    me = nodes.require_node(conn, queue)
     if me.node_type == "root":
         return last_tick_of(conn, queue) or 0
     _, loc = find_root(conn, queue)
@@ -658,7 +654,7 @@ def wait_root(conn: psycopg.Connection, queue: str, say, timeout: float) -> int:
 
 def wait_provider(conn: psycopg.Connection, queue: str, say, timeout: float) -> int:
     """Wait until this node applied every tick its provider has now."""
-    me = node_of(conn, queue)
+    me = nodes.require_node(conn, queue)
     with connect(nodes.provider_location(conn, me)) as prov:
         tick = last_tick_of(prov, queue) or 0
     wait_applied(conn, queue, tick, f"{me.provider_node}'s ticks to be applied here", say, timeout)
@@ -699,7 +695,7 @@ def resurrect(conn: psycopg.Connection, queue: str, location: str, lost_file: Pa
     the events it has that never reached the set (after the tick the new root took over from) to
     `lost_file`, one JSON object per line, then make it a branch of the new root whose tables are
     copied again (its own rows may hold those lost changes)."""
-    me = node_of(conn, queue)
+    me = nodes.require_node(conn, queue)
     if me.node_type != "root":
         raise UserError(f"{me.node_name} is the {me.node_type}: only an old root is resurrected")
     roots = [m for m in survey(conn, queue, skip=(me.node_name,)) if m.node and m.node.node_type == "root"]
