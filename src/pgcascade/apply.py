@@ -20,6 +20,7 @@ table-list event (T) needs no action here.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 
 import psycopg
@@ -49,6 +50,20 @@ STAGE_DDL = (
 )
 
 
+_STAGED: weakref.WeakSet[psycopg.Connection] = weakref.WeakSet()
+
+
+def ensure_stage(sub: psycopg.Connection) -> None:
+    """The staging table lives as long as the session: made once per connection when made
+    outside a transaction (inside one, a rollback would take it back, so it is made each time)."""
+    if sub in _STAGED:
+        return
+    idle = sub.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    sub.execute(STAGE_DDL)
+    if idle and sub.autocommit:
+        _STAGED.add(sub)
+
+
 def stage_batch(
     prov: psycopg.Connection,
     sub: psycopg.Connection,
@@ -58,7 +73,7 @@ def stage_batch(
 ) -> int:
     """Stream the batch's events from the provider into the subscriber's staging table; bytes
     moved.  `carry`: every field, for a branch that inserts them into its own queue."""
-    sub.execute(STAGE_DDL)
+    ensure_stage(sub)
     batch_sql = prov.execute("select pgcascade.batch_event_sql(%s)", (batch_id,)).fetchone()[0]
     cols = sql.SQL(CARRY_COLUMNS if carry else STAGE_COLUMNS)
     query = sql.SQL("copy (select {} from ({}) b{}) to stdout").format(

@@ -43,6 +43,7 @@ from pgcascade.apply import (
     TableApplier,
     apply_staged,
     carry_staged,
+    ensure_stage,
     merge_staged,
     stage_batch,
 )
@@ -145,6 +146,7 @@ class Worker(Daemon):
         if self.sub is None or self.sub.closed:
             self.sub = psycopg.connect(self.cfg.db, autocommit=True, connect_timeout=10)
             self.sub.execute("set application_name = 'pgcascade worker'")
+            ensure_stage(self.sub)
         node = nodes.require_node(self.sub, self.queue)
         if node.provider_node != self.prov_node and self.prov is not None:
             log.info("provider is now %s (was %s)", node.provider_node, self.prov_node)
