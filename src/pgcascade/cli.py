@@ -496,6 +496,25 @@ def repair(
     sys.exit(commands.repair(ctx.cfg, list(tables), output, apply_fix, not no_progress))
 
 
+@cli.command()
+@click.argument("action", required=False, type=click.Choice(["compact"]))
+@click.option("--path", "path", help="The lake directory (default: sink_path of the config).")
+@daemon_switches
+@pass_ctx
+def sink(ctx: Context, action: str | None, path: str | None, detach: bool, ctl: str | None) -> None:
+    """Write every batch's row changes as Parquet under --path; `sink compact`: current state."""
+    from pgcascade.pipeline import commands
+
+    if path:
+        ctx.cfg.raw["sink_path"] = path
+    if action == "compact":
+        commands.compact(ctx.cfg)
+        return
+    from pgcascade.pipeline.sink import Sink
+
+    control_or_start(ctx, Sink, detach, ctl)
+
+
 # --- daemons ----------------------------------------------------------------------------------
 
 

@@ -73,3 +73,19 @@ def _spark(cfg: JobConfig, prog: Progress):
     spark = build_session(cfg, "pgcascade compare")
     prog.step("Spark ready")
     return spark
+
+
+def compact(cfg: JobConfig) -> None:
+    """`sink compact`: each table's current state as Parquet under DIR/_current."""
+    from pathlib import Path
+
+    from pgcascade.errors import UserError
+    from pgcascade.pipeline.sink import compact as run_compact
+
+    path = cfg.raw.get("sink_path", "").strip()
+    if not path:
+        raise UserError("sink compact needs --path DIR (or sink_path in the config)")
+    prog = Progress(True)
+    rows = run_compact(_spark(cfg, prog), Path(path).expanduser())
+    for table, n in rows.items():
+        print(f"{table}: {n} rows in {Path(path) / '_current' / table}")
