@@ -496,6 +496,20 @@ def repair(
     sys.exit(commands.repair(ctx.cfg, list(tables), output, apply_fix, not no_progress))
 
 
+@cli.command("spark-server")
+@click.argument("action", type=click.Choice(["start", "stop"]))
+@pass_ctx
+def spark_server(ctx: Context, action: str) -> None:
+    """Start or stop a warm Spark (Spark Connect) that configs with spark_remote attach to."""
+    from pgcascade.pipeline import connect
+
+    if action == "start":
+        click.echo(f"Spark Connect listening at {connect.start(ctx.cfg)}")
+    else:
+        connect.stop(ctx.cfg)
+        click.echo("Spark Connect stopped")
+
+
 @cli.command()
 @click.argument("action", required=False, type=click.Choice(["compact"]))
 @click.option("--path", "path", help="The lake directory (default: sink_path of the config).")

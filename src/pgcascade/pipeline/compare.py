@@ -72,6 +72,8 @@ def open_side(ctx: TaskContext, side: str) -> psycopg.Connection:
     conn = psycopg.connect(ctx.dsn(side), autocommit=True, connect_timeout=10)
     conn.execute("set application_name = 'pgcascade compare task'")
     conn.execute(sg.SESSION_SETTINGS)
+    # bucket checksums: hash aggregation (the planner misjudges the groups and sorts otherwise)
+    conn.execute("set enable_sort = off")
     conn.autocommit = False
     conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
     conn.read_only = True
@@ -429,6 +431,8 @@ class Comparison:
         nb = sum(len(w[1]) for w in work)
         self.progress.step(f"{len(work)} range(s) differ ({nb} bucket(s)): diffing their rows")
         if work:
+            # the join of the differing rows is small: a few shuffle partitions, not 200
+            spark.conf.set("spark.sql.shuffle.partitions", str(min(max(len(work), 2), 64)))
             rows = fetch_rows(classify(row_hashes(spark, self.ctx, work)), self.ctx)
             for row in rows.toLocalIterator():
                 res = results[row["tidx"]]

@@ -23,6 +23,7 @@ import os
 import shutil
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 from pgcascade.config import JobConfig
@@ -72,6 +73,21 @@ def _scratch_dir() -> str:
     return d
 
 
+def reachable(remote: str) -> None:
+    """Fail at once when nothing listens at sc://host:port (the client would retry for minutes)."""
+    import socket
+    from urllib.parse import urlparse
+
+    u = urlparse(remote.replace("sc://", "http://", 1))
+    try:
+        socket.create_connection((u.hostname or "127.0.0.1", u.port or 15002), timeout=3).close()
+    except OSError as e:
+        raise RuntimeFailure(
+            f"no Spark Connect server at {remote} ({e.strerror or e}): start one with"
+            " `pgcascade CONFIG spark-server start`, or remove spark_remote from the config"
+        ) from None
+
+
 def local_environment() -> None:
     """What a local driver and its Python workers need, before the JVM starts."""
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
@@ -88,6 +104,14 @@ def build_session(cfg: JobConfig, app_name: str = "pgcascade"):
     remote = cfg.raw.get("spark_remote", "").strip()
     if remote:
         log.info("attaching to Spark Connect at %s", remote)
+        reachable(remote)
+        # every command attaches to one shared server session: its Python workers (with psycopg,
+        # pyarrow and pgcascade imported) are reused, where a new session would start its own (~2 s)
+        shared = f"{remote.rstrip('/')}/;session_id={uuid.uuid5(uuid.NAMESPACE_URL, 'pgcascade:' + remote)}"
+        try:
+            return SparkSession.builder.remote(shared).appName(app_name).getOrCreate()
+        except Exception:
+            log.info("shared Spark Connect session unavailable (expired?): a session of our own")
         try:
             return SparkSession.builder.remote(remote).appName(app_name).getOrCreate()
         except Exception as e:
