@@ -173,17 +173,21 @@ def split_points(
     conn: psycopg.Connection, spec: TableSpec, target_rows: int, max_segments: int
 ) -> list[list[str]]:
     """Key values that cut the provider's table into ranges of about target_rows: read from a
-    block sample of its keys, sorted by the server (its collation), so no full scan is needed."""
-    est = conn.execute(
-        "select reltuples::int8 from pg_class where oid = %s::regclass", (spec.table,)
-    ).fetchone()[0]
+    block sample of its keys, sorted by the server (its collation), so no full scan is needed.
+    The sample takes ~20 blocks per range: rows of one block have neighbouring keys, so a
+    handful of blocks would cut the key space unevenly."""
+    est, pages = conn.execute(
+        "select reltuples::int8, relpages::int8 from pg_class where oid = %s::regclass", (spec.table,)
+    ).fetchone()
     if est is None or est < 0:  # never analysed: count once
         est = conn.execute(sql.SQL("select count(*) from {}").format(spec.relation("prov"))).fetchone()[0]
     nseg = min(max_segments, max(1, -(-est // target_rows)))
     if nseg <= 1:
         return []
-    per_cut = 50  # sampled keys per segment: enough for even ranges
-    pct = min(100.0, 100.0 * nseg * per_cut / max(est, 1))
+    if pages and pages > 0:
+        pct = min(100.0, 100.0 * nseg * 20 / pages)
+    else:  # partitioned (no pages of its own) or never analysed
+        pct = min(100.0, 100.0 * nseg * 1000 / max(est, 1))
     keys = [
         r[0]
         for r in conn.execute(
