@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -317,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report", default=None)
     ap.add_argument("--rounds", type=int, default=2, help="runs of each compare figure (median reported)")
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # clusters and daemons are cleaned up on kill too
     work = Path(tempfile.mkdtemp(prefix="pgcascade-pipeline-bench-"))
     work.chmod(0o755)
     b = Bench(args.scale, work)

@@ -192,7 +192,8 @@ def copy_ranges(spark, ctx: CopyContext, ranges: list[RangeTask]):
             for i in b.column(0).to_pylist():
                 rows, moved = copy_range(ctx, ranges[i])
                 yield pa.RecordBatch.from_pylist(
-                    [{"range_no": ranges[i].range_no, "rows": rows, "bytes": moved}]
+                    [{"range_no": ranges[i].range_no, "rows": rows, "bytes": moved}],
+                    schema=pa.schema([("range_no", pa.int32()), ("rows", pa.int64()), ("bytes", pa.int64())]),
                 )
 
     return spark.range(0, len(ranges), 1, max(len(ranges), 1)).mapInArrow(
