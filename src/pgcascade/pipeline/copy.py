@@ -8,8 +8,8 @@ and do-sync are unchanged.  Steps, each durable:
    drop the destination's indexes and constraints (their DDL is kept in copy_plan), truncate,
    and record the key ranges in copy_range.
 2. Ranges: one Spark task per range not done: import the coordinator's exported snapshot on
-   the provider; in one subscriber transaction delete the range (a retried task may have left
-   nothing, but never trust that), COPY out / COPY in, mark the range done.
+   the provider; in one subscriber transaction COPY out / COPY in and mark the range done (so a
+   range not done never holds rows of ours, and a retried task needs no cleanup).
 3. Finish (one subscriber transaction): restore indexes and constraints, set catching-up with
    copy_snapshot = S1 and copy_tick = the consumer's first tick.
 
@@ -157,7 +157,9 @@ def copy_range(ctx: CopyContext, r: RangeTask) -> tuple[int, int]:
         prov.execute(sql.SQL("set transaction snapshot {}").format(sql.Literal(ctx.snapshot)))
         sub.execute(APPLY_SETTINGS)
         sub.execute(sg.SESSION_SETTINGS.replace("set ", "set local "))
-        sub.execute(sql.SQL("delete from {} where {}").format(spec.relation("sub"), where))
+        # no DELETE of the range first: the COPY and the done mark commit together, so a range
+        # not marked done holds none of our rows (and a DELETE on the unindexed table would
+        # scan all of it, per range)
         moved = 0
         with prov.cursor() as oc, sub.cursor() as ic:
             with oc.copy(out) as src, ic.copy(into) as dst:

@@ -101,6 +101,11 @@ def row_hash(spec: TableSpec) -> sql.Composable:
 
 def bucket(spec: TableSpec, buckets: int) -> sql.Composable:
     """The key's bucket: a hash of the key's normalised text (one column: its text alone, cheaper)."""
+    if len(spec.keys) == 1 and spec.key_types[0] in ("smallint", "integer", "bigint"):
+        # an integer key: its own hash (cast to int8, so int4 and int8 sides agree), no text
+        return sql.SQL("(hashint8extended({}::int8, 7) & {})").format(
+            sql.Identifier(spec.keys[0]), sql.Literal(buckets - 1)
+        )
     if len(spec.keys) == 1:
         key = sql.SQL("{}::text").format(normalised(spec.keys[0], spec.key_types[0]))
     else:
