@@ -212,7 +212,7 @@ class Bench:
         took = time.monotonic() - t
         if r.returncode not in (0, 3):
             raise RuntimeError(f"compare failed: {r.stderr}")
-        return took, r.stdout.strip()
+        return took, r.stdout.strip().splitlines()[0]  # the table's line; the sample keys follow
 
     def seed_method(self, db: str) -> tuple[float, str]:
         """Ordered COPY of both sides, merged line by line (Python), as the seed describes."""
