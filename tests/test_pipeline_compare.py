@@ -210,7 +210,9 @@ def test_sync_point_gives_up_when_the_worker_is_stopped(synced):
         conn.execute("update comp set v = 'unapplied' where a = 7")
     r.ini("leaf", r.leaf, sync_timeout=2)
     started = time.monotonic()
-    out = r.cli("leaf", "compare", "--no-progress", check=False)
+    out = r.cli(
+        "leaf", "compare", "--count-only", "--no-progress", check=False
+    )  # the same sync point, no Spark
     took = time.monotonic() - started
     assert out.returncode == 1, out
     assert "did not catch up within 2 s" in out.stderr and "Traceback" not in out.stderr
@@ -219,3 +221,44 @@ def test_sync_point_gives_up_when_the_worker_is_stopped(synced):
     with r.root.connect() as conn:
         conn.execute("set lock_timeout = '1s'")
         conn.execute("update comp set v = 'after' where a = 14")
+
+
+def test_bad_input_is_one_line_and_locks_nothing(synced):
+    r = synced
+    cases = [
+        (("compare", "nosuch"), {}, 2, "table 'nosuch' is not replicated here"),
+        (("repair",), {}, 2, "repair needs --output FILE"),
+        (
+            ("compare",),
+            {"jdbc_jar": "/nonexistent/postgresql.jar"},
+            2,
+            "JDBC driver not found at /nonexistent",
+        ),
+        (
+            ("compare",),
+            {"spark_remote": "sc://127.0.0.1:1"},
+            1,
+            "no Spark Connect server at sc://127.0.0.1:1",
+        ),
+        (("compare",), {"sync_timeout": "soon"}, 2, "sync_timeout = 'soon': must be a positive number"),
+    ]
+    for args, extra, code, message in cases:
+        r.ini("leaf", r.leaf, **extra)
+        out = (
+            r.cli("leaf", *args, "--no-progress", check=False)
+            if args[0] == "compare"
+            else r.cli("leaf", *args, check=False)
+        )
+        assert out.returncode == code, (args, extra, out.stderr)
+        assert message in out.stderr and "Traceback" not in out.stderr, (args, extra, out.stderr)
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    # nothing was locked or left open on the root
+    with r.root.connect() as conn:
+        conn.execute("set lock_timeout = '1s'")
+        conn.execute("update comp set v = 'after' where a = 14")
+        assert (
+            conn.execute(
+                "select count(*) from pg_stat_activity where application_name like 'pgcascade compare%%'"
+            ).fetchone()[0]
+            == 0
+        )

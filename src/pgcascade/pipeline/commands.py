@@ -22,8 +22,12 @@ EXIT_DIFFERENT = 3
 
 def compare(cfg: JobConfig, tables: list[str], count_only: bool = False, progress: bool = True) -> int:
     prog = Progress(progress)
-    with Comparison(cfg, tables, prog) as cmp:
-        results = cmp.count_only() if count_only else cmp.run(_spark(cfg, prog))
+    # Spark first: a config mistake fails before the provider is locked, and the snapshots are
+    # not held open while Spark starts
+    cmp = Comparison(cfg, tables, prog)  # checks the tables: a typo fails at once
+    spark = None if count_only else _spark(cfg, prog)
+    with cmp:
+        results = cmp.count_only() if count_only else cmp.run(spark)
     write_report(results, sys.stdout, count_only)
     equal = all(r.rows == r.sub_rows for r in results) if count_only else all(r.equal for r in results)
     return EXIT_EQUAL if equal else EXIT_DIFFERENT
@@ -35,8 +39,10 @@ def repair(cfg: JobConfig, tables: list[str], output: str | None, apply: bool, p
     prog = Progress(progress)
     import psycopg
 
+    cmp = Comparison(cfg, tables, prog)
+    spark = _spark(cfg, prog)
     with contextlib.ExitStack() as stack:
-        cmp = stack.enter_context(Comparison(cfg, tables, prog))
+        stack.enter_context(cmp)
         spool = KeySpool() if apply else None
         writer = None
         if output:
@@ -52,7 +58,7 @@ def repair(cfg: JobConfig, tables: list[str], output: str | None, apply: bool, p
             if spool is not None:
                 spool.write(result, row)
 
-        results = cmp.run(_spark(cfg, prog), on_row)
+        results = cmp.run(spark, on_row)
         if writer is not None:
             writer.close()
         specs = cmp.ctx.specs

@@ -114,7 +114,7 @@ def sync_point(
                     ) from None
                 locked = time.monotonic()
                 tick = target_tick(prov, queue)
-                log.info("provider tables locked; waiting for the subscriber to apply tick %d", tick)
+                log.debug("provider tables locked; waiting for the subscriber to apply tick %d", tick)
                 wait_applied(sub, queue, tick, timeout)
                 prov_holder, prov_snap = snapshot_holder(prov_dsn)
                 sub_holder, sub_snap = snapshot_holder(sub_dsn)
@@ -123,7 +123,7 @@ def sync_point(
             finally:
                 lock.close()  # rolls back: the lock is released
             held = time.monotonic() - locked
-            log.info(
+            log.debug(
                 "sync point at tick %d; provider locked %.2f s (lock taken in %.2f s)",
                 tick,
                 held,

@@ -103,7 +103,7 @@ def build_session(cfg: JobConfig, app_name: str = "pgcascade"):
         raise ConfigError("pyspark is not installed: pip install 'pgcascade' with its dependencies") from None
     remote = cfg.raw.get("spark_remote", "").strip()
     if remote:
-        log.info("attaching to Spark Connect at %s", remote)
+        log.debug("attaching to Spark Connect at %s", remote)
         reachable(remote)
         # every command attaches to one shared server session: its Python workers (with psycopg,
         # pyarrow and pgcascade imported) are reused, where a new session would start its own (~2 s)
@@ -111,7 +111,7 @@ def build_session(cfg: JobConfig, app_name: str = "pgcascade"):
         try:
             return SparkSession.builder.remote(shared).appName(app_name).getOrCreate()
         except Exception:
-            log.info("shared Spark Connect session unavailable (expired?): a session of our own")
+            log.debug("shared Spark Connect session unavailable (expired?): a session of our own")
         try:
             return SparkSession.builder.remote(remote).appName(app_name).getOrCreate()
         except Exception as e:
@@ -145,7 +145,7 @@ def build_session(cfg: JobConfig, app_name: str = "pgcascade"):
         )
     for key, value in spark_settings(cfg).items():
         builder = builder.config(key, value)
-    log.info("starting Spark (%s)", master)
+    log.debug("starting Spark (%s)", master)
     try:
         spark = builder.getOrCreate()
     except Exception as e:
