@@ -262,3 +262,34 @@ def test_bad_input_is_one_line_and_locks_nothing(synced):
             ).fetchone()[0]
             == 0
         )
+
+
+def test_current_state_is_the_last_change_per_key(spark):
+    """The compaction's DataFrame function on an inline table: last change by (tick_id, ev_id)
+    wins, a key whose last change is a delete is gone, a snapshot row without changes stays."""
+    from pgcascade.pipeline.sink import current_state
+
+    rows = [
+        # op, tick_id, ev_id, txid, ev_time, commit_time, id, v
+        ("S", 10, 0, None, None, None, 1, "a0"),
+        ("S", 10, 0, None, None, None, 2, "b0"),
+        ("S", 10, 0, None, None, None, 3, "c0"),
+        ("U", 11, 5, 100, None, None, 1, "a1"),
+        ("U", 12, 9, 101, None, None, 1, "a2"),
+        ("U", 12, 7, 101, None, None, 1, "a-older-event"),
+        ("D", 11, 6, 100, None, None, 2, "b0"),
+        ("I", 12, 8, 101, None, None, 4, "d1"),
+        ("D", 12, 10, 102, None, None, 4, "d1"),
+        ("I", 13, 11, 103, None, None, 4, "d2"),
+    ]
+    schema = "op string, tick_id long, ev_id long, txid long, ev_time timestamp, commit_time timestamp, id int, v string"
+    got = sorted(tuple(r) for r in current_state(spark.createDataFrame(rows, schema), ["id"]).collect())
+    assert got == [(1, "a2"), (3, "c0"), (4, "d2")]
+
+
+def test_diff_keys_classifies_each_key():
+    from pgcascade.pipeline.compare import diff_keys
+
+    prov = {("1",): 10, ("2",): 20, ("3",): 30}
+    sub = {("2",): 20, ("3",): 31, ("4",): 40}
+    assert sorted(diff_keys(prov, sub)) == [(("1",), "missing"), (("3",), "different"), (("4",), "extra")]
