@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -384,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         b.cli(b.server_ini, "spark-server", "stop", check=False)
     finally:
         b.close()
+        shutil.rmtree(work, ignore_errors=True)
     lines = [
         f"# Spark pipeline benchmark ({datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)",
         "",
