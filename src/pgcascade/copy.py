@@ -228,6 +228,12 @@ class CopyProcess(Daemon):
         return False  # wanna-sync: the worker's turn
 
     def initial_copy(self, st: subscriber.SubscriberTable) -> None:
+        from pgcascade.pipeline import copy as spark_copy
+
+        if spark_copy.wanted(self.cfg, self.sub, self.prov, self.queue, self.table):
+            # a large table: key ranges copied by Spark tasks, resumable (pipeline/copy.py)
+            spark_copy.SparkCopy(self, st).run()
+            return
         with contextlib.suppress(psycopg.errors.NoDataFound, psycopg.errors.RaiseException):
             q.unregister_consumer(self.prov, self.queue, self.consumer)
         q.register_consumer(self.prov, self.queue, self.consumer)

@@ -50,6 +50,7 @@ from pgcascade.apply import (
 from pgcascade.config import JobConfig
 from pgcascade.daemon import Daemon, pid_alive
 from pgcascade.errors import UserError, db_error_line
+from pgcascade.pipeline.copy import forget_plan
 from pgcascade.queue import TICK_CHANNEL, BatchInfo
 
 log = logging.getLogger("pgcascade.replay")
@@ -371,6 +372,7 @@ class Worker(Daemon):
             if t.state is None:
                 if len(self.copies) >= self.parallel_copies:
                     continue
+                forget_plan(sub, self.queue, t.table_name)  # a new copy: an old Spark copy plan goes
                 subscriber.set_state(sub, self.queue, t.table_name, "in-copy")
                 log.info("%s: starting initial copy", t.table_name)
                 changed = True

@@ -174,6 +174,11 @@ def print_node_status(conn: psycopg.Connection, node: Node) -> None:
     for t in subscriber.tables(conn, node.queue_name):
         states[t.state or "NULL"] = states.get(t.state or "NULL", 0) + 1
     console.print("tables: " + (", ".join(f"{s}: {n}" for s, n in sorted(states.items())) or "none"))
+    from pgcascade.pipeline.copy import progress, progress_line
+
+    for p in progress(conn, node.queue_name):
+        if not p["finished"]:
+            console.print(progress_line(p), highlight=False)
     error = conn.execute(
         "select last_error, last_error_time from pgcascade.node where queue_name = %s", (node.queue_name,)
     ).fetchone()

@@ -1,0 +1,97 @@
+"""The `compare` and `repair` verbs (cli.py only parses their options and calls these).
+
+Exit codes: 0 the tables are equal (or the repair left them equal), 3 differences found,
+2 usage or config error, 1 failure (the sync point gave up, a database failed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+
+from pgcascade.config import JobConfig
+from pgcascade.pipeline.compare import Comparison, Progress, TableResult
+from pgcascade.pipeline.repair import KeySpool, SqlWriter, apply_fix, open_output, write_report
+
+log = logging.getLogger("pgcascade.pipeline")
+
+EXIT_EQUAL = 0
+EXIT_DIFFERENT = 3
+
+
+def compare(cfg: JobConfig, tables: list[str], count_only: bool = False, progress: bool = True) -> int:
+    prog = Progress(progress)
+    # Spark first: a config mistake fails before the provider is locked, and the snapshots are
+    # not held open while Spark starts
+    cmp = Comparison(cfg, tables, prog)  # checks the tables: a typo fails at once
+    spark = None if count_only else _spark(cfg, prog)
+    with cmp:
+        results = cmp.count_only() if count_only else cmp.run(spark)
+    write_report(results, sys.stdout, count_only)
+    equal = all(r.rows == r.sub_rows for r in results) if count_only else all(r.equal for r in results)
+    return EXIT_EQUAL if equal else EXIT_DIFFERENT
+
+
+def repair(cfg: JobConfig, tables: list[str], output: str | None, apply: bool, progress: bool = True) -> int:
+    """Compare, write the fix (--output) and/or apply it (--apply).  Exit 0 when nothing differed
+    or the fix was applied, 3 when differences were only written out."""
+    prog = Progress(progress)
+    import psycopg
+
+    cmp = Comparison(cfg, tables, prog)
+    spark = _spark(cfg, prog)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(cmp)
+        spool = KeySpool() if apply else None
+        writer = None
+        if output:
+            out = open_output(output)
+            if out is not sys.stdout:
+                stack.enter_context(out)
+            conn = stack.enter_context(psycopg.connect(cmp.point.sub_dsn, autocommit=True))
+            writer = SqlWriter(out, conn, cmp.ctx.specs)
+
+        def on_row(result: TableResult, row: dict) -> None:
+            if writer is not None:
+                writer.write(result, row)
+            if spool is not None:
+                spool.write(result, row)
+
+        results = cmp.run(spark, on_row)
+        if writer is not None:
+            writer.close()
+        specs = cmp.ctx.specs
+    write_report(results, sys.stderr if output == "-" else sys.stdout)
+    differing = sum(r.missing + r.extra + r.different for r in results)
+    if spool is not None and differing:
+        prog.step(f"applying the fix of {differing} row(s) under a new sync point")
+        n = apply_fix(cfg.db, cfg.queue_name, specs, spool, cmp.settings.sync_timeout)
+        prog.step(f"applied: {n} row(s) replaced by the provider's")
+        return EXIT_EQUAL
+    return EXIT_EQUAL if differing == 0 else EXIT_DIFFERENT
+
+
+def _spark(cfg: JobConfig, prog: Progress):
+    from pgcascade.pipeline.session import build_session
+
+    prog.step("starting Spark")
+    spark = build_session(cfg, "pgcascade compare")
+    prog.step("Spark ready")
+    return spark
+
+
+def compact(cfg: JobConfig) -> None:
+    """`sink compact`: each table's current state as Parquet under DIR/_current."""
+    from pathlib import Path
+
+    from pgcascade.errors import UserError
+    from pgcascade.pipeline.sink import compact as run_compact
+
+    path = cfg.raw.get("sink_path", "").strip()
+    if not path:
+        raise UserError("sink compact needs --path DIR (or sink_path in the config)")
+    prog = Progress(True)
+    rows = run_compact(_spark(cfg, prog), Path(path).expanduser())
+    for table, n in rows.items():
+        print(f"{table}: {n} rows in {Path(path) / '_current' / table}")

@@ -1,0 +1,404 @@
+"""Resumable parallel copy: a large table's initial copy as Spark tasks, one key range each.
+
+It replaces only the in-copy step of the copy state machine (copy.py); catching-up, wanna-sync
+and do-sync are unchanged.  Steps, each durable:
+
+1. Plan (one subscriber transaction): register the copy consumer (its first tick is where
+   catch-up starts), open a provider REPEATABLE READ transaction and export its snapshot S1,
+   drop the destination's indexes and constraints (their DDL is kept in copy_plan), truncate,
+   and record the key ranges in copy_range.
+2. Ranges: one Spark task per range not done: import the coordinator's exported snapshot on
+   the provider; in one subscriber transaction COPY out / COPY in and mark the range done (so a
+   range not done never holds rows of ours, and a retried task needs no cleanup).
+3. Finish (one subscriber transaction): restore indexes and constraints, set catching-up with
+   copy_snapshot = S1 and copy_tick = the consumer's first tick.
+
+A copy that dies continues at step 2 with the ranges not done, under a new snapshot S2 (S1
+died with its transaction).  That is still exact: catch-up applies every event not visible in
+S1, and the apply is an upsert of each key's last row (apply.py), so events between S1 and S2
+that the S2 ranges already contain are applied again to the same result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import json
+import logging
+import threading
+import time
+
+import psycopg
+from psycopg import sql
+
+from pgcascade import catalog, subscriber
+from pgcascade import queue as q
+from pgcascade.apply import APPLY_SETTINGS
+from pgcascade.config import JobConfig
+from pgcascade.errors import UserError
+from pgcascade.pipeline import segments as sg
+
+log = logging.getLogger("pgcascade.copy")
+
+DEFAULT_MIN_ROWS = 5_000_000
+DEFAULT_RANGE_ROWS = 250_000
+PROGRESS_EVERY = 5.0
+
+
+def min_rows(cfg: JobConfig) -> int | None:
+    """spark_copy_min_rows: tables with at least this many rows (estimated) copy through Spark;
+    0 or off: never."""
+    raw = cfg.raw.get("spark_copy_min_rows", "").strip().lower()
+    if raw in ("0", "off", "no", "false"):
+        return None
+    if not raw:
+        return DEFAULT_MIN_ROWS
+    try:
+        return int(raw)
+    except ValueError:
+        raise UserError(f"spark_copy_min_rows = {raw!r}: must be a number of rows, or off") from None
+
+
+def estimated_rows(prov: psycopg.Connection, table: str) -> int:
+    est = prov.execute("select reltuples::int8 from pg_class where oid = %s::regclass", (table,)).fetchone()[
+        0
+    ]
+    if est is None or est < 0:  # never analysed
+        est = prov.execute(sql.SQL("select count(*) from {}").format(sql.SQL(table))).fetchone()[0]
+    return est
+
+
+def has_plan(sub: psycopg.Connection, queue: str, table: str) -> bool:
+    return sub.execute(
+        "select exists (select 1 from pgcascade.copy_plan where queue_name = %s and table_name = %s and finished is null)",
+        (queue, table),
+    ).fetchone()[0]
+
+
+def wanted(cfg: JobConfig, sub: psycopg.Connection, prov: psycopg.Connection, queue: str, table: str) -> bool:
+    """Whether this table's copy runs as Spark tasks: a plan in progress always continues."""
+    if has_plan(sub, queue, table):
+        return True
+    threshold = min_rows(cfg)
+    return threshold is not None and estimated_rows(prov, table) >= threshold
+
+
+def forget_plan(sub: psycopg.Connection, queue: str, table: str) -> None:
+    """Before a new copy of the table: drop an old plan, putting back the indexes and
+    constraints an unfinished one had dropped (the new copy saves and drops them again)."""
+    row = sub.execute(
+        "select definitions, finished from pgcascade.copy_plan where queue_name = %s and table_name = %s",
+        (queue, table),
+    ).fetchone()
+    if row is None:
+        return
+    with sub.transaction():
+        if row[1] is None:
+            st = subscriber.get_table(sub, queue, table)
+            if st is not None and catalog.table_exists(sub, st.dest_table):
+                definitions_from_json(row[0]).restore(sub)
+        sub.execute(
+            "delete from pgcascade.copy_plan where queue_name = %s and table_name = %s", (queue, table)
+        )
+
+
+def definitions_to_json(saved) -> str:
+    return json.dumps(
+        {"constraints": [list(c) for c in saved.constraints], "indexes": [list(i) for i in saved.indexes]}
+    )
+
+
+def definitions_from_json(data: dict):
+    from pgcascade.copy import SavedDefinitions
+
+    saved = SavedDefinitions.__new__(SavedDefinitions)
+    saved.constraints = [tuple(c) for c in data["constraints"]]
+    saved.indexes = [tuple(i) for i in data["indexes"]]
+    return saved
+
+
+@dataclasses.dataclass(frozen=True)
+class RangeTask:
+    """What one Spark task needs (pickled into it)."""
+
+    range_no: int
+    lo: list[str] | None
+    hi: list[str] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyContext:
+    queue: str
+    table: str
+    prov_dsn: str
+    sub_dsn: str
+    snapshot: str  # exported snapshot id of this attempt
+    attempt: int
+    spec: sg.TableSpec
+
+
+def copy_range(ctx: CopyContext, r: RangeTask) -> tuple[int, int]:
+    """Copy one key range and mark it done, in one subscriber transaction; (rows, bytes)."""
+    spec = ctx.spec
+    where = sg.key_range(spec, r.lo, r.hi)
+    cols = sql.SQL(", ").join(map(sql.Identifier, spec.columns))
+    out = sql.SQL("copy (select {} from {} where {}) to stdout").format(cols, spec.relation("prov"), where)
+    into = sql.SQL("copy {} ({}) from stdin").format(sql.SQL(spec.dest), cols)
+    started = time.monotonic()
+    with (
+        psycopg.connect(ctx.prov_dsn, autocommit=True, connect_timeout=10) as prov,
+        psycopg.connect(ctx.sub_dsn, connect_timeout=10) as sub,
+    ):
+        prov.execute(sg.SESSION_SETTINGS)
+        prov.autocommit = False
+        prov.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        prov.read_only = True
+        prov.execute(sql.SQL("set transaction snapshot {}").format(sql.Literal(ctx.snapshot)))
+        sub.execute(APPLY_SETTINGS)
+        sub.execute(sg.SESSION_SETTINGS.replace("set ", "set local "))
+        # no DELETE of the range first: the COPY and the done mark commit together, so a range
+        # not marked done holds none of our rows (and a DELETE on the unindexed table would
+        # scan all of it, per range)
+        moved = 0
+        with prov.cursor() as oc, sub.cursor() as ic:
+            with oc.copy(out) as src, ic.copy(into) as dst:
+                buf = bytearray()
+                for block in src:
+                    buf += block
+                    if len(buf) >= 1 << 20:
+                        dst.write(buf)
+                        moved += len(buf)
+                        buf = bytearray()
+                if buf:
+                    dst.write(buf)
+                    moved += len(buf)
+            rows = ic.rowcount
+        sub.execute(
+            "update pgcascade.copy_range set done = true, rows = %s, bytes = %s, seconds = %s, done_at = now(),"
+            " attempt = %s where queue_name = %s and table_name = %s and range_no = %s",
+            (rows, moved, time.monotonic() - started, ctx.attempt, ctx.queue, ctx.table, r.range_no),
+        )
+        sub.commit()
+        prov.rollback()
+    return rows, moved
+
+
+def copy_ranges(spark, ctx: CopyContext, ranges: list[RangeTask]):
+    """-> DataFrame(range_no, rows, bytes): one Spark task per range, copying it."""
+
+    def task(batches):
+        import pyarrow as pa
+
+        for b in batches:
+            for i in b.column(0).to_pylist():
+                rows, moved = copy_range(ctx, ranges[i])
+                yield pa.RecordBatch.from_pylist(
+                    [{"range_no": ranges[i].range_no, "rows": rows, "bytes": moved}],
+                    schema=pa.schema([("range_no", pa.int32()), ("rows", pa.int64()), ("bytes", pa.int64())]),
+                )
+
+    return spark.range(0, len(ranges), 1, max(len(ranges), 1)).mapInArrow(
+        task, "range_no int, rows long, bytes long"
+    )
+
+
+def progress(conn: psycopg.Connection, queue: str, table: str | None = None) -> list[dict]:
+    """Per table with a copy plan: ranges done, rows and bytes copied, rate and ETA of this attempt."""
+    rows = conn.execute(
+        "select p.table_name, p.attempt, p.est_rows, p.finished is not null,"
+        " count(*) filter (where r.done), count(*), coalesce(sum(r.rows), 0)::int8, coalesce(sum(r.bytes), 0)::int8,"
+        " coalesce(sum(r.rows) filter (where r.attempt = p.attempt), 0)::int8,"
+        " coalesce(sum(r.bytes) filter (where r.attempt = p.attempt), 0)::int8,"
+        " extract(epoch from coalesce(p.finished, now()) - p.attempt_started)::float8"
+        " from pgcascade.copy_plan p join pgcascade.copy_range r using (queue_name, table_name)"
+        " where p.queue_name = %s and (%s::text is null or p.table_name = %s)"
+        " group by p.table_name, p.attempt, p.est_rows, p.finished, p.attempt_started order by 1",
+        (queue, table, table),
+    ).fetchall()
+    out = []
+    for name, attempt, est, finished, done, total, nrows, nbytes, arows, abytes, secs in rows:
+        secs = float(secs or 0)
+        rate_rows = arows / secs if secs > 0 else 0
+        eta = max((est or 0) - nrows, 0) / rate_rows if rate_rows > 0 and not finished else None
+        out.append(
+            {
+                "table": name,
+                "attempt": attempt,
+                "finished": finished,
+                "ranges_done": done,
+                "ranges": total,
+                "rows": nrows,
+                "bytes": nbytes,
+                "mb_per_s": abytes / secs / 1e6 if secs > 0 else 0.0,
+                "rows_per_s": rate_rows,
+                "eta": eta,
+            }
+        )
+    return out
+
+
+def progress_line(p: dict) -> str:
+    eta = "-" if p["eta"] is None else f"{p['eta']:.0f} s"
+    state = "done" if p["finished"] else f"attempt {p['attempt']}"
+    return (
+        f"spark copy {p['table']}: {p['ranges_done']}/{p['ranges']} ranges, {p['rows']} rows,"
+        f" {p['bytes'] / 1e6:.1f} MB, {p['mb_per_s']:.1f} MB/s, ETA {eta} ({state})"
+    )
+
+
+class SparkCopy:
+    """The in-copy step of one table as Spark tasks (run by the table's copy process)."""
+
+    def __init__(self, proc, st: subscriber.SubscriberTable):
+        self.proc = proc  # the CopyProcess: its connections, queue, consumer name, config
+        self.st = st
+        self.queue = proc.queue
+        self.table = proc.table
+
+    def spec(self, prov: psycopg.Connection) -> sg.TableSpec:
+        dest_cols = {c.name for c in catalog.columns(self.proc.sub, self.st.dest_table) if not c.generated}
+        spec = sg.table_spec(0, prov, self.proc.sub, self.table, self.st.dest_table, self.st.key_columns)
+        keep = [(c, t) for c, t in zip(spec.columns, spec.types, strict=True) if c in dest_cols]
+        return dataclasses.replace(spec, columns=tuple(c for c, _ in keep), types=tuple(t for _, t in keep))
+
+    def run(self) -> None:
+        sub, prov = self.proc.sub, self.proc.prov
+        # the consumer first, then the snapshot: every event the snapshot misses is after its tick
+        reg_tick = None if has_plan(sub, self.queue, self.table) else self.register()
+        with psycopg.connect(self.proc.prov_location, connect_timeout=10) as holder:
+            holder.execute(sg.SESSION_SETTINGS)
+            holder.commit()
+            holder.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+            holder.read_only = True
+            # this attempt's snapshot: exported for the tasks, held until they are done
+            exported = holder.execute("select pg_export_snapshot()").fetchone()[0]
+            current = holder.execute("select pg_current_snapshot()::text").fetchone()[0]
+            spec = self.spec(holder)
+            if reg_tick is not None:
+                self.plan(holder, spec, current, reg_tick)
+                attempt = 1
+            else:
+                attempt = sub.execute(
+                    "update pgcascade.copy_plan set attempt = attempt + 1, attempt_started = now()"
+                    " where queue_name = %s and table_name = %s returning attempt",
+                    (self.queue, self.table),
+                ).fetchone()[0]
+            pending = [
+                RangeTask(n, lo, hi)
+                for n, lo, hi in sub.execute(
+                    "select range_no, lo, hi from pgcascade.copy_range"
+                    " where queue_name = %s and table_name = %s and not done order by range_no",
+                    (self.queue, self.table),
+                )
+            ]
+            log.info("%s: spark copy attempt %d: %d range(s) to copy", self.table, attempt, len(pending))
+            if pending:
+                ctx = CopyContext(
+                    self.queue, self.table, self.proc.prov_location, self.proc.cfg.db, exported, attempt, spec
+                )
+                self.run_tasks(ctx, pending)
+        self.finish(prov)
+
+    def register(self) -> int:
+        """A fresh copy consumer on the provider; returns its first tick."""
+        prov = self.proc.prov
+        with contextlib.suppress(psycopg.errors.NoDataFound, psycopg.errors.RaiseException):
+            q.unregister_consumer(prov, self.queue, self.proc.consumer)
+        q.register_consumer(prov, self.queue, self.proc.consumer)
+        return prov.execute(
+            "select last_tick from pgcascade.get_consumer_info(%s, %s)", (self.queue, self.proc.consumer)
+        ).fetchone()[0]
+
+    def plan(self, holder: psycopg.Connection, spec: sg.TableSpec, snapshot: str, reg_tick: int) -> None:
+        from pgcascade.copy import SavedDefinitions
+
+        sub = self.proc.sub
+        cuts = sg.split_points(holder, spec, range_rows(self.proc.cfg), 100_000)
+        bounds = [None, *cuts, None]
+        with sub.transaction():
+            sub.execute(APPLY_SETTINGS)
+            saved = SavedDefinitions(sub, self.st.dest_table)
+            saved.drop(sub)
+            if not self.st.skip_truncate:
+                only = "" if catalog.is_partitioned(sub, self.st.dest_table) else "only "
+                sub.execute(sql.SQL(f"truncate {only}{{}}").format(sql.SQL(self.st.dest_table)))
+            sub.execute(
+                "insert into pgcascade.copy_plan (queue_name, table_name, reg_tick, first_snapshot, definitions, est_rows)"
+                " values (%s, %s, %s, %s::pg_snapshot, %s::jsonb, %s)",
+                (
+                    self.queue,
+                    self.table,
+                    reg_tick,
+                    snapshot,
+                    definitions_to_json(saved),
+                    estimated_rows(holder, self.table),
+                ),
+            )
+            with sub.cursor() as cur:
+                cur.executemany(
+                    "insert into pgcascade.copy_range (queue_name, table_name, range_no, lo, hi) values (%s, %s, %s, %s, %s)",
+                    [
+                        (self.queue, self.table, i, lo, hi)
+                        for i, (lo, hi) in enumerate(itertools.pairwise(bounds))
+                    ],
+                )
+        log.info(
+            "%s: spark copy planned: %d range(s), catch-up from tick %d",
+            self.table,
+            len(bounds) - 1,
+            reg_tick,
+        )
+
+    def run_tasks(self, ctx: CopyContext, pending: list[RangeTask]) -> None:
+        from pgcascade.pipeline.session import build_session
+
+        spark = build_session(self.proc.cfg, f"pgcascade copy {self.table}")
+        stop = threading.Event()
+        watcher = threading.Thread(target=self.report_progress, args=(stop,), daemon=True)
+        watcher.start()
+        try:
+            copy_ranges(spark, ctx, pending).collect()
+        finally:
+            stop.set()
+            watcher.join()
+
+    def report_progress(self, stop: threading.Event) -> None:
+        with psycopg.connect(self.proc.cfg.db, autocommit=True, connect_timeout=10) as conn:
+            while not stop.wait(PROGRESS_EVERY):
+                for p in progress(conn, self.queue, self.table):
+                    log.info("%s", progress_line(p))
+
+    def finish(self, prov: psycopg.Connection) -> None:
+        sub = self.proc.sub
+        started = time.monotonic()
+        with sub.transaction():
+            sub.execute(APPLY_SETTINGS)
+            defs, reg_tick, snapshot = sub.execute(
+                "select definitions, reg_tick, first_snapshot::text from pgcascade.copy_plan"
+                " where queue_name = %s and table_name = %s for update",
+                (self.queue, self.table),
+            ).fetchone()
+            definitions_from_json(defs).restore(sub)
+            sub.execute(
+                "update pgcascade.copy_plan set finished = now() where queue_name = %s and table_name = %s",
+                (self.queue, self.table),
+            )
+            subscriber.set_state(
+                sub, self.queue, self.table, "catching-up", copy_snapshot=snapshot, copy_tick=reg_tick
+            )
+        for p in progress(sub, self.queue, self.table):
+            log.info("%s", progress_line(p))
+        log.info(
+            "%s: spark copy done, indexes and constraints in %.2fs: catching-up",
+            self.table,
+            time.monotonic() - started,
+        )
+
+
+def range_rows(cfg: JobConfig) -> int:
+    raw = cfg.raw.get("spark_copy_range_rows", "").strip()
+    try:
+        return int(raw) if raw else DEFAULT_RANGE_ROWS
+    except ValueError:
+        raise UserError(f"spark_copy_range_rows = {raw!r}: must be a number of rows") from None

@@ -1,0 +1,295 @@
+"""compare and repair on real clusters with real Spark (local mode, one session per module).
+
+Differences are planted on the leaf by hand (session_replication_role = replica passes the
+protection trigger), so every test knows exactly which keys differ and how; the final
+equality checks use `table_checksum` (an md5 of every row, computed by PostgreSQL).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import psycopg
+import pytest
+from conftest import table_checksum
+from test_replication import PGBENCH_TABLES, pgbench, pgbench_init
+
+from pgcascade.config import load_config
+from pgcascade.pipeline.compare import Comparison
+from pgcascade.pipeline.repair import KeySpool, apply_fix
+from pgcascade.pipeline.session import build_session
+
+BIG = 10 * 1024 * 1024  # a 10 MB value
+
+SCHEMA = [
+    # composite key (int, text), with gaps in the int part
+    "create table comp (a int, b text, v text, n numeric, primary key (a, b))",
+    "insert into comp select g * 7, 'k' || (g % 3), md5(g::text), g / 3.0 from generate_series(1, 3000) g",
+    # text key with unicode, NULLs and empty strings in the values
+    "create table words (w text primary key, note text, j jsonb, t timestamptz, d bytea)",
+    "insert into words select 'wörd-' || g || '-ü€', case when g % 4 = 0 then null when g % 4 = 1 then '' else 'x' || g end,"
+    " jsonb_build_object('g', g, 'l', array[g, g + 1]), '2026-01-01 00:00+02'::timestamptz + g * interval '1 minute',"
+    " decode(md5(g::text), 'hex') from generate_series(1, 2000) g",
+    # big values
+    "create table blobs (id int primary key, body text)",
+    f"insert into blobs select g, repeat(chr(65 + g), {BIG}) from generate_series(1, 3) g",
+    # empty
+    "create table empty (id int primary key, v text)",
+]
+TABLES = ["public.comp", "public.words", "public.blobs", "public.empty"]
+
+
+def leaf_exec(replica, *statements: str) -> None:
+    """Write on the leaf behind the replication's back (the protection trigger does not fire)."""
+    with replica.leaf.connect() as conn:
+        conn.execute("set session_replication_role = replica")
+        for s in statements:
+            conn.execute(s)
+
+
+@pytest.fixture(scope="module")
+def spark(tmp_path_factory):
+    ini = tmp_path_factory.mktemp("spark") / "spark.ini"
+    ini.write_text("[pgcascade]\njob_name = spark_tests\nspark_master = local[2]\n")
+    session = build_session(load_config(ini))
+    yield session
+    session.stop()
+
+
+@pytest.fixture
+def synced(replica):
+    """Root and leaf with the SCHEMA tables replicated and in sync; ticker and worker running."""
+    with replica.root.connect() as conn:
+        for s in SCHEMA:
+            conn.execute(s)
+    replica.setup(TABLES)
+    replica.start_ticker()
+    replica.start_worker()
+    replica.wait_sync()
+    return replica
+
+
+def compare(replica, spark, *tables: str, **extra) -> dict:
+    cfg = load_config(replica.ini("leaf", replica.leaf, **extra))
+    with Comparison(cfg, list(tables)) as cmp:
+        results = cmp.run(spark)
+    return {r.spec.table: r for r in results}
+
+
+def counts(results: dict) -> dict:
+    return {t: (r.missing, r.extra, r.different) for t, r in results.items()}
+
+
+def test_compare_finds_every_planted_difference_and_nothing_else(synced, spark):
+    r = synced
+    # small ranges, so that several key ranges and the bisection into buckets are exercised
+    first = compare(r, spark, compare_segment_rows=500, compare_bucket_rows=20)
+    assert counts(first) == {t: (0, 0, 0) for t in TABLES}
+    assert first["public.comp"].rows == 3000 and first["public.empty"].rows == 0
+    leaf_exec(
+        r,
+        "delete from comp where a in (7, 700, 21000)",  # missing (a = 21000: the last key)
+        "insert into comp values (8, 'k1', 'extra', 1), (99999, 'zz', 'extra', 2)",  # extra, one past the end
+        "update comp set v = null where a = 14",  # value -> NULL
+        "update comp set n = n + 0.0000001 where a = 28",  # numeric digit far right
+        "update words set note = '' where note is null and w = 'wörd-4-ü€'",  # NULL -> ''
+        "update words set note = null where w = 'wörd-5-ü€'",  # '' -> NULL
+        "update words set j = j || '{\"z\": 1}' where w = 'wörd-6-ü€'",  # jsonb
+        "update words set t = t + interval '1 microsecond' where w = 'wörd-7-ü€'",  # timestamp
+        "update words set d = d || '\\x00'::bytea where w = 'wörd-8-ü€'",  # bytea
+        "delete from words where w = 'wörd-9-ü€'",
+        "insert into words (w) values ('wörd-9-ü€ ')",  # a key that differs by a trailing space
+        "update blobs set body = overlay(body placing 'x' from 5000000) where id = 2",  # one char of 10 MB
+        "insert into empty values (1, 'extra')",
+    )
+    res = compare(r, spark, compare_segment_rows=500, compare_bucket_rows=20)
+    assert counts(res) == {
+        "public.comp": (3, 2, 2),
+        "public.words": (1, 1, 5),
+        "public.blobs": (0, 0, 1),
+        "public.empty": (0, 1, 0),
+    }
+    assert res["public.words"].rows == 2000 and res["public.words"].sub_rows == 2000
+    assert ["21000", "k0"] in res["public.comp"].samples["missing"]
+
+
+def test_values_compare_by_value_not_by_text(synced, spark):
+    r = synced
+    # same values in another text form: 1.5 as 1.50, the same instant in another zone
+    with r.root.connect() as conn:
+        conn.execute("update comp set n = 1.5 where a = 7")
+    r.wait_sync()
+    leaf_exec(
+        r,
+        "update comp set n = 1.50000 where a = 7",
+        "update words set t = (t at time zone 'Asia/Tokyo') at time zone 'Asia/Tokyo' where w = 'wörd-10-ü€'",
+    )
+    res = compare(r, spark)
+    assert counts(res) == {t: (0, 0, 0) for t in TABLES}
+    assert table_checksum(r.root, "comp") != table_checksum(r.leaf, "comp")  # the text did change
+
+
+def test_repair_apply_makes_the_leaf_equal(synced, spark):
+    r = synced
+    leaf_exec(
+        r,
+        "delete from comp where a between 70 and 140",
+        "insert into comp values (1, 'new', 'extra', 1)",
+        "update words set note = null, d = null where w like 'wörd-1%'",
+        "update blobs set body = 'short' where id = 3",
+        "insert into empty values (5, 'extra')",
+    )
+    cfg = load_config(r.leaf_ini)
+    spool = KeySpool()
+    with Comparison(cfg, []) as cmp:
+        results = cmp.run(spark, spool.write)
+        specs = cmp.ctx.specs
+    assert sum(x.missing + x.extra + x.different for x in results) == spool.count > 0
+    # the root changes rows the fix touches between the compare and the fix: the fix must
+    # carry the provider's newer values, not the compare's
+    with r.root.connect() as conn:
+        conn.execute("update comp set v = 'changed after compare' where a = 77")
+        conn.execute("delete from words where w = 'wörd-10-ü€'")
+    apply_fix(cfg.db, cfg.queue_name, specs, spool, timeout=10)
+    r.wait_sync()
+    for t in TABLES:
+        assert table_checksum(r.root, t) == table_checksum(r.leaf, t), t
+    assert counts(compare(r, spark)) == {t: (0, 0, 0) for t in TABLES}
+
+
+def test_compare_under_pgbench_load_reports_no_false_difference(replica, spark):
+    pgbench_init(replica.root, scale=2)
+    replica.setup(list(PGBENCH_TABLES))
+    replica.start_ticker()
+    replica.start_worker()
+    replica.wait_sync()
+    load = pgbench(replica.root, "-c", "2", "-j", "2", "-T", "25", "-R", "400")
+    try:
+        time.sleep(2)
+        for _ in range(2):
+            res = compare(replica, spark, compare_segment_rows=50000)
+            assert counts(res) == {f"public.{t}": (0, 0, 0) for t in PGBENCH_TABLES}
+            assert res["public.pgbench_accounts"].rows == 200000
+            assert res["public.pgbench_history"].rows > 0
+    finally:
+        load.wait(timeout=60)
+    assert load.returncode == 0, load.stderr.read()
+    # one planted difference is still found under load
+    leaf_exec(replica, "update pgbench_accounts set filler = 'planted' where aid = 4242")
+    res = compare(replica, spark, compare_segment_rows=50000)
+    assert counts(res)["public.pgbench_accounts"] == (0, 0, 1)
+
+
+def test_cli_compare_repair_and_count_only(synced):
+    r = synced
+    leaf_exec(r, "delete from comp where a = 35", "update words set note = 'changed' where w = 'wörd-3-ü€'")
+    out = r.cli("leaf", "compare", "comp", "words", "--no-progress", check=False, timeout=300)
+    assert out.returncode == 3, out.stderr
+    assert "public.comp: rows 3000, missing 1, extra 0, different 0: DIFFERENT" in out.stdout
+    assert "public.words: rows 2000, missing 0, extra 0, different 1: DIFFERENT" in out.stdout
+    cnt = r.cli("leaf", "compare", "--count-only", check=False)
+    assert cnt.returncode == 3 and "public.comp: provider 3000 rows, subscriber 2999 rows" in cnt.stdout
+    fix = r.tmp / "fix.sql"
+    rep = r.cli("leaf", "repair", "--output", str(fix), check=False, timeout=300)
+    assert rep.returncode == 3, rep.stderr
+    # the file is plain SQL a DBA can read and run with psql, worker stopped (as its header says)
+    r.daemons.kill(r.daemons.procs[1])
+    subprocess.run(["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-f", str(fix), r.leaf.connstr], check=True)
+    for t in TABLES:
+        assert table_checksum(r.root, t) == table_checksum(r.leaf, t), t
+    # protection is back on after the file ran
+    with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState), r.leaf.connect() as conn:
+        conn.execute("delete from comp")
+
+
+def test_sync_point_gives_up_when_the_worker_is_stopped(synced):
+    r = synced
+    r.daemons.kill(r.daemons.procs[1])  # the worker
+    with r.root.connect() as conn:
+        conn.execute("update comp set v = 'unapplied' where a = 7")
+    r.ini("leaf", r.leaf, sync_timeout=2)
+    started = time.monotonic()
+    out = r.cli(
+        "leaf", "compare", "--count-only", "--no-progress", check=False
+    )  # the same sync point, no Spark
+    took = time.monotonic() - started
+    assert out.returncode == 1, out
+    assert "did not catch up within 2 s" in out.stderr and "Traceback" not in out.stderr
+    assert took < 10
+    # the lock is gone: the root takes writes at once
+    with r.root.connect() as conn:
+        conn.execute("set lock_timeout = '1s'")
+        conn.execute("update comp set v = 'after' where a = 14")
+
+
+def test_bad_input_is_one_line_and_locks_nothing(synced):
+    r = synced
+    cases = [
+        (("compare", "nosuch"), {}, 2, "table 'nosuch' is not replicated here"),
+        (("repair",), {}, 2, "repair needs --output FILE"),
+        (
+            ("compare",),
+            {"jdbc_jar": "/nonexistent/postgresql.jar"},
+            2,
+            "JDBC driver not found at /nonexistent",
+        ),
+        (
+            ("compare",),
+            {"spark_remote": "sc://127.0.0.1:1"},
+            1,
+            "no Spark Connect server at sc://127.0.0.1:1",
+        ),
+        (("compare",), {"sync_timeout": "soon"}, 2, "sync_timeout = 'soon': must be a positive number"),
+    ]
+    for args, extra, code, message in cases:
+        r.ini("leaf", r.leaf, **extra)
+        out = (
+            r.cli("leaf", *args, "--no-progress", check=False)
+            if args[0] == "compare"
+            else r.cli("leaf", *args, check=False)
+        )
+        assert out.returncode == code, (args, extra, out.stderr)
+        assert message in out.stderr and "Traceback" not in out.stderr, (args, extra, out.stderr)
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    # nothing was locked or left open on the root
+    with r.root.connect() as conn:
+        conn.execute("set lock_timeout = '1s'")
+        conn.execute("update comp set v = 'after' where a = 14")
+        assert (
+            conn.execute(
+                "select count(*) from pg_stat_activity where application_name like 'pgcascade compare%%'"
+            ).fetchone()[0]
+            == 0
+        )
+
+
+def test_current_state_is_the_last_change_per_key(spark):
+    """The compaction's DataFrame function on an inline table: last change by (tick_id, ev_id)
+    wins, a key whose last change is a delete is gone, a snapshot row without changes stays."""
+    from pgcascade.pipeline.sink import current_state
+
+    rows = [
+        # op, tick_id, ev_id, txid, ev_time, commit_time, id, v
+        ("S", 10, 0, None, None, None, 1, "a0"),
+        ("S", 10, 0, None, None, None, 2, "b0"),
+        ("S", 10, 0, None, None, None, 3, "c0"),
+        ("U", 11, 5, 100, None, None, 1, "a1"),
+        ("U", 12, 9, 101, None, None, 1, "a2"),
+        ("U", 12, 7, 101, None, None, 1, "a-older-event"),
+        ("D", 11, 6, 100, None, None, 2, "b0"),
+        ("I", 12, 8, 101, None, None, 4, "d1"),
+        ("D", 12, 10, 102, None, None, 4, "d1"),
+        ("I", 13, 11, 103, None, None, 4, "d2"),
+    ]
+    schema = "op string, tick_id long, ev_id long, txid long, ev_time timestamp, commit_time timestamp, id int, v string"
+    got = sorted(tuple(r) for r in current_state(spark.createDataFrame(rows, schema), ["id"]).collect())
+    assert got == [(1, "a2"), (3, "c0"), (4, "d2")]
+
+
+def test_diff_keys_classifies_each_key():
+    from pgcascade.pipeline.compare import diff_keys
+
+    prov = {("1",): 10, ("2",): 20, ("3",): 30}
+    sub = {("2",): 20, ("3",): 31, ("4",): 40}
+    assert sorted(diff_keys(prov, sub)) == [(("1",), "missing"), (("3",), "different"), (("4",), "extra")]
