@@ -24,9 +24,11 @@ logical messages (`pgcascade.emit_event`), so they keep their place among the ro
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
+import os
 import struct
 import time
 from dataclasses import dataclass, field
@@ -59,6 +61,14 @@ class Unchanged:
 
 UNCHANGED = Unchanged()
 Value = str | None | Unchanged
+
+
+def pause_point(name: str) -> None:
+    """Test hook: with PGCASCADE_PAUSE_AT=name in the environment, log and sleep here, so a
+    test can SIGKILL the daemon at exactly this point."""
+    if os.environ.get("PGCASCADE_PAUSE_AT") == name:
+        log.info("pause point %s (pid %d)", name, os.getpid())
+        time.sleep(float(os.environ.get("PGCASCADE_PAUSE_SECONDS", "60")))
 
 
 def lsn_int(lsn: str) -> int:
@@ -228,6 +238,7 @@ class WalCapture(Daemon):
         self.writer: psycopg.Connection | None = None
         self.rels: dict[int, Relation] = {}
         self.keys: dict[str, list[str]] = {}
+        self.read_upto = 0  # the WAL position the last complete round read up to
         self._reset_round()
 
     def _reset_round(self) -> None:
@@ -240,6 +251,7 @@ class WalCapture(Daemon):
         self.last_commit: datetime.datetime | None = None
         self.events = 0
         self.txns = 0
+        self.skipped = 0
 
     # --- connections ---
     def connect(self) -> tuple[psycopg.Connection, psycopg.Connection]:
@@ -252,6 +264,10 @@ class WalCapture(Daemon):
             for c, role in ((self.reader, "reader"), (self.writer, "writer")):
                 c.execute(f"set application_name = 'pgcascade capture {role}'")
                 c.execute(SESSION_SETTINGS)
+            # each peek logs "starting logical decoding" at LOG level: 2-4 lines a round would
+            # flood the server log (a superuser may turn that off; the daemon logs its own errors)
+            with contextlib.suppress(psycopg.errors.InsufficientPrivilege):
+                self.reader.execute("set log_min_messages = fatal")
             # the slot advances right after this commit: it must be on disk first
             self.writer.execute("set synchronous_commit = on")
             self.writer.commit()
@@ -284,6 +300,9 @@ class WalCapture(Daemon):
     # --- one round ---
     def work(self) -> bool:
         reader, writer = self.connect()
+        # nothing written since the last complete round: no need to decode (and log) anything
+        if lsn_int(reader.execute("select pg_current_wal_flush_lsn()::text").fetchone()[0]) == self.read_upto:
+            return False
         self._reset_round()
         row = writer.execute(
             "select slot_name, publication, confirmed_lsn::text from pgcascade.walcapture"
@@ -296,6 +315,12 @@ class WalCapture(Daemon):
         self.stored = lsn_int(stored)
         slot_lsn = self.slot_position(reader, slot)
         if slot_lsn < self.stored:  # the slot's advance was lost in a crash: skip what we have
+            log.info(
+                "slot %s at %s is behind the queue's position %s: advancing it",
+                slot,
+                lsn_str(slot_lsn),
+                stored,
+            )
             reader.execute("select pg_replication_slot_advance(%s, %s::pg_lsn)", (slot, stored))
         self.keys = dict(
             writer.execute(
@@ -311,10 +336,16 @@ class WalCapture(Daemon):
                 " last_capture = now() where queue_name = %s",
                 (lsn_str(self.last_end), self.last_commit, self.queue),
             )
+        if self.events:
+            pause_point("written-not-committed")
         writer.commit()
+        if self.skipped:
+            log.info("skipped %d transactions captured before (the slot had not been advanced)", self.skipped)
         if self.events:
             log.debug("captured %d events of %d transactions", self.events, self.txns)
+            pause_point("committed-not-advanced")
         complete = n < self.max_changes  # every transaction committed before `upto` was read
+        self.read_upto = upto if complete else 0
         target = upto if complete else self.last_end
         if target > max(slot_lsn, self.stored):
             reader.execute("select pg_replication_slot_advance(%s, %s::pg_lsn)", (slot, lsn_str(target)))
@@ -352,6 +383,7 @@ class WalCapture(Daemon):
         if kind == b"B":
             final_lsn, _ts, _xid = r.unpack(">qqI")
             self.skip = final_lsn < self.stored
+            self.skipped += self.skip
         elif kind == b"C":
             _flags, _commit_lsn, end_lsn, ts = r.unpack(">bqqq")
             if not self.skip:
