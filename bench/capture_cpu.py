@@ -83,17 +83,24 @@ def prepare(
             )
     if mode == "logical":
         log = (work / f"{mode}.out").open("ab")
-        return subprocess.Popen([*PGCASCADE, str(ini), "capture"], stdout=log, stderr=subprocess.STDOUT)
+        p = subprocess.Popen([*PGCASCADE, str(ini), "capture"], stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while len(capture_backend_pids(c, db)) < 2:
+            if time.monotonic() > deadline or p.poll() is not None:
+                raise RuntimeError(f"the capture daemon did not connect (see {work}/{mode}.out)")
+            time.sleep(0.1)
+        return p
     return None
 
 
-def capture_backend_pid(c: LocalCluster, db: str) -> int | None:
+def capture_backend_pids(c: LocalCluster, db: str) -> list[int]:
+    """The capture daemon's backends: the reader (decodes the WAL) and the writer (inserts)."""
     with c.connect(db) as conn:
-        row = conn.execute(
+        rows = conn.execute(
             "select pid from pg_stat_activity where datname = current_database()"
             " and application_name like 'pgcascade capture%'"
-        ).fetchone()
-    return row[0] if row else None
+        ).fetchall()
+    return [r[0] for r in rows]
 
 
 def wait_captured(c: LocalCluster, db: str, timeout: float = 120) -> None:
@@ -142,16 +149,16 @@ def run_round(c: LocalCluster, mode: str, txns: int, daemon: subprocess.Popen | 
     with c.connect() as conn:
         conn.execute("checkpoint")
     dpid = daemon.pid if daemon else None
-    bpid = capture_backend_pid(c, db) if daemon else None
+    bpids = capture_backend_pids(c, db) if daemon else []
     d0 = proc_times(dpid, False) if dpid else 0.0
-    b0 = proc_times(bpid, False) if bpid else 0.0
+    b0 = sum(proc_times(p, False) for p in bpids)
     t0 = time.monotonic()
     cpu = backend_cpu_of_run(c, db, txns)
     if daemon:
         wait_captured(c, db)
     wall = time.monotonic() - t0
     d1 = proc_times(dpid, False) if dpid else 0.0
-    b1 = proc_times(bpid, False) if bpid else 0.0
+    b1 = sum(proc_times(p, False) for p in bpids)
     return {
         "server_us": cpu / txns * 1e6,
         "daemon_us": (d1 - d0) / txns * 1e6,

@@ -2,21 +2,23 @@
 
 A root created with `--capture=logical` has a publication (its tables) and a logical
 replication slot with the pgoutput plugin; no trigger runs in the application's
-transactions.  The capture daemon (`pgcascade CONF capture`) reads the slot with
-`pg_logical_slot_peek_binary_changes` (psycopg 3 has no replication-protocol client) through a
-server-side cursor, decodes the pgoutput messages (protocol 1) and writes the same events the
-triggers write: ev_type I/U/D/R, ev_extra1 the table's canonical name, ev_data the row as
-`row_to_json` makes it - built by the database from the text values pgoutput sends, cast to
-the columns' types, so every type comes out as the trigger would write it.
+transactions.  The capture daemon (`pgcascade CONF capture`) reads the slot through the
+streaming replication protocol (one decoding session, `SlotStream`), decodes the pgoutput
+messages (protocol 1) and writes the same events the triggers write: ev_type I/U/D/R,
+ev_extra1 the table's canonical name, ev_data the row as `row_to_json` makes it - built by the
+database from the text values pgoutput sends, cast to the columns' types, so every type comes
+out as the trigger would write it.  (The SQL functions pg_logical_slot_peek_changes would
+decode again from the slot's restart point at every call: up to 15 s of WAL a round.)
 
-Exactly once: each round holds `pgcascade.walcapture`'s row lock (one daemon at a time),
-inserts the events of whole source transactions in one queue transaction together with the
-end LSN of the last one (`confirmed_lsn`), commits durably, and only then advances the slot.
-A source transaction whose commit record starts below `confirmed_lsn` was captured already
-and is skipped, so a crash anywhere (daemon or server) repeats nothing and loses nothing: the
-slot never moves past what the queue holds.  A source transaction is never split between
-queue transactions, so ticks never split it either; a huge one streams through (the server
-spills it to disk, the daemon holds a bounded chunk of rows).
+Exactly once: the events of whole source transactions go into the queue in one queue
+transaction together with the end LSN of the last one (`confirmed_lsn`), committed durably;
+only then is the slot told (standby status update) that it may move there.  A source
+transaction whose commit record starts below `confirmed_lsn` was captured already and is
+skipped, so a crash anywhere (daemon or server) repeats nothing and loses nothing: the slot
+never moves past what the queue holds.  The slot itself admits one reader at a time.  A
+source transaction is never split between queue transactions, so ticks never split it
+either; a huge one streams through (the server spills it to disk, the daemon writes it in
+chunks into one open queue transaction and holds a bounded number of rows).
 
 The root's own events (the table list T, EXECUTE) travel through the WAL as transactional
 logical messages (`pgcascade.emit_event`), so they keep their place among the row changes.
@@ -24,17 +26,17 @@ logical messages (`pgcascade.emit_event`), so they keep their place among the ro
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import logging
 import os
+import select
 import struct
 import time
 from dataclasses import dataclass, field
 
 import psycopg
-from psycopg import sql
+from psycopg import pq, sql
 
 from pgcascade import node as nodes
 from pgcascade.config import JobConfig
@@ -50,7 +52,9 @@ SESSION_SETTINGS = (
     "set datestyle = 'ISO, MDY'; set intervalstyle = postgres; set extra_float_digits = 3;"
     " set bytea_output = hex; set search_path = pg_catalog"
 )
-CHUNK_ROWS = 5000  # rows buffered before they are written (all tables together)
+CHUNK_ROWS = 5000  # rows buffered before they are written; a round commits after this many
+MAX_ROUND_SECONDS = 0.5  # a round under steady load commits at least this often
+IDLE_REPORT = 0.2  # when idle, ask the server where it has read to this often
 CHUNK_BYTES = 8 << 20
 PG_EPOCH = datetime.datetime(2000, 1, 1, tzinfo=datetime.UTC)
 
@@ -63,10 +67,13 @@ UNCHANGED = Unchanged()
 Value = str | None | Unchanged
 
 
-def pause_point(name: str) -> None:
-    """Test hook: with PGCASCADE_PAUSE_AT=name in the environment, log and sleep here, so a
-    test can SIGKILL the daemon at exactly this point."""
-    if os.environ.get("PGCASCADE_PAUSE_AT") == name:
+def pause_point(name: str, events: int) -> None:
+    """Test hook: with PGCASCADE_PAUSE_AT=name in the environment (and at least
+    PGCASCADE_PAUSE_MIN_EVENTS events in the round), log and sleep here, so a test can SIGKILL
+    the daemon at exactly this point."""
+    if os.environ.get("PGCASCADE_PAUSE_AT") == name and events >= int(
+        os.environ.get("PGCASCADE_PAUSE_MIN_EVENTS", "1")
+    ):
         log.info("pause point %s (pid %d)", name, os.getpid())
         time.sleep(float(os.environ.get("PGCASCADE_PAUSE_SECONDS", "60")))
 
@@ -221,6 +228,81 @@ class Reader:
         return vals
 
 
+class SlotStream:
+    """The slot's changes through the streaming replication protocol (START_REPLICATION on a
+    replication connection): one decoding session for the daemon's life.  psycopg 3 has no
+    replication API, so the COPY BOTH stream is read and written with libpq's copy calls
+    through psycopg's `pq` layer; the connection serves nothing else."""
+
+    def __init__(self, connstr: str, slot: str, pub: str, start: int):
+        self.conn = psycopg.connect(
+            connstr,
+            autocommit=True,
+            connect_timeout=10,
+            replication="database",
+            application_name="pgcascade capture reader",
+            # pgoutput writes values with the walsender's settings: those of the triggers
+            options="-c datestyle=ISO,MDY -c intervalstyle=postgres -c extra_float_digits=3 -c bytea_output=hex",
+        )
+        self.pg = self.conn.pgconn
+        # the names are ours ([a-z0-9_]): no quoting beyond the delimiters is needed
+        query = (
+            f'START_REPLICATION SLOT "{slot}" LOGICAL {lsn_str(start)}'
+            f" (proto_version '1', publication_names '\"{pub}\"', messages 'true')"
+        )
+        self.pg.send_query(query.encode())
+        res = self.pg.get_result()
+        if res is None or res.status != pq.ExecStatus.COPY_BOTH:
+            msg = (res.error_message if res is not None else self.pg.error_message).decode(errors="replace")
+            self.close()
+            raise RuntimeFailure(f"cannot read slot {slot}: {' '.join(msg.split())}")
+
+    @property
+    def closed(self) -> bool:
+        return self.conn.closed
+
+    def close(self) -> None:
+        if not self.conn.closed:
+            self.conn.close()
+
+    def wait(self, timeout: float) -> None:
+        select.select([self.pg.socket], [], [], timeout)
+
+    def read(self, timeout: float) -> tuple | None:
+        """("w", pgoutput message) or ("k", server's sent position, reply wanted); None when
+        nothing came within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        self.pg.consume_input()  # whatever arrived on the socket
+        while True:
+            n, data = self.pg.get_copy_data(1)
+            if n > 0:
+                kind = data[0]
+                if kind == 0x77:  # 'w' XLogData: start, end, time, then the message
+                    return ("w", bytes(data[25:]))
+                if kind == 0x6B:  # 'k' keepalive
+                    wal_end, _ts, reply = struct.unpack_from(">qqb", data, 1)
+                    return ("k", wal_end, reply)
+                continue
+            if n == 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self.wait(left)
+                self.pg.consume_input()
+                continue
+            res = self.pg.get_result()
+            msg = (res.error_message if res is not None else self.pg.error_message).decode(errors="replace")
+            self.close()
+            raise psycopg.OperationalError(f"replication stream ended: {' '.join(msg.split())}")
+
+    def feedback(self, flush: int, reply: bool = False) -> None:
+        """Standby status update: everything before `flush` is in the queue (written, flushed,
+        applied alike); the slot's confirmed position moves there."""
+        now = int((time.time() - PG_EPOCH.timestamp()) * 1e6)
+        self.pg.put_copy_data(b"r" + struct.pack(">qqqqb", flush, flush, flush, now, 1 if reply else 0))
+        self.pg.flush()
+
+
 # --- the daemon ---------------------------------------------------------------------------------
 
 
@@ -232,18 +314,20 @@ class WalCapture(Daemon):
     def __init__(self, cfg: JobConfig):
         super().__init__(cfg)
         self.loop_delay = float(cfg.raw["loop_delay"]) if cfg.raw.get("loop_delay") else 0.02
-        self.max_changes = int(cfg.raw.get("capture_max_changes") or 20000)
         self.queue = cfg.queue_name or ""
-        self.reader: psycopg.Connection | None = None
+        self.stream: SlotStream | None = None
         self.writer: psycopg.Connection | None = None
         self.rels: dict[int, Relation] = {}
         self.keys: dict[str, list[str]] = {}
-        self.read_upto = 0  # the WAL position the last complete round read up to
+        self.stored = 0  # confirmed_lsn: transactions whose commit starts below it are in the queue
+        self.committed = 0  # the same, as told to the slot
+        self.safe = 0  # the server has sent everything before this and all of it is committed
+        self.in_txn = False  # between a B and its C
+        self.skip = False  # the current source transaction was captured before
+        self.asked_at = 0.0
         self._reset_round()
 
     def _reset_round(self) -> None:
-        self.stored = 0  # confirmed_lsn at the start of the round
-        self.skip = False  # the current source transaction was captured before
         self.buf: dict[int, list[list]] = {}
         self.buf_rows = 0
         self.buf_bytes = 0
@@ -254,127 +338,121 @@ class WalCapture(Daemon):
         self.skipped = 0
 
     # --- connections ---
-    def connect(self) -> tuple[psycopg.Connection, psycopg.Connection]:
-        if self.reader is None or self.reader.closed or self.writer is None or self.writer.closed:
+    def connect(self) -> tuple[SlotStream, psycopg.Connection]:
+        if self.stream is None or self.stream.closed or self.writer is None or self.writer.closed:
             self.drop_connections()
             if not self.cfg.db or not self.queue:
                 raise UserError(f"{self.cfg.path}: db and queue_name must be set")
-            self.reader = psycopg.connect(self.cfg.db, autocommit=True, connect_timeout=10)
-            self.writer = psycopg.connect(self.cfg.db, autocommit=False, connect_timeout=10)
-            for c, role in ((self.reader, "reader"), (self.writer, "writer")):
-                c.execute(f"set application_name = 'pgcascade capture {role}'")
-                c.execute(SESSION_SETTINGS)
-            # each peek logs "starting logical decoding" at LOG level: 2-4 lines a round would
-            # flood the server log (a superuser may turn that off; the daemon logs its own errors)
-            with contextlib.suppress(psycopg.errors.InsufficientPrivilege):
-                self.reader.execute("set log_min_messages = fatal")
-            # the slot advances right after this commit: it must be on disk first
-            self.writer.execute("set synchronous_commit = on")
-            self.writer.commit()
-            node = nodes.get_node(self.writer, self.queue)
-            if node is None or node.node_type != "root" or not is_logical(self.writer, self.queue):
-                self.writer.rollback()
+            writer = self.writer = psycopg.connect(self.cfg.db, autocommit=False, connect_timeout=10)
+            writer.execute("set application_name = 'pgcascade capture writer'")
+            writer.execute(SESSION_SETTINGS)
+            # the slot is told about a position right after its commit: it must be on disk first
+            writer.execute("set synchronous_commit = on")
+            node = nodes.get_node(writer, self.queue)
+            if node is None or node.node_type != "root" or not is_logical(writer, self.queue):
                 raise UserError(f"this database is not a root of {self.queue} with logical capture")
-            self.writer.rollback()
+            slot, pub, stored = writer.execute(
+                "select slot_name, publication, confirmed_lsn::text from pgcascade.walcapture where queue_name = %s",
+                (self.queue,),
+            ).fetchone()
+            if not writer.execute(
+                "select 1 from pg_replication_slots where slot_name = %s", (slot,)
+            ).fetchone():
+                raise RuntimeFailure(
+                    f"replication slot {slot} does not exist: run create-root with --capture=logical again"
+                    " (changes made while it was missing are not in the queue)"
+                )
+            writer.rollback()
+            self.stored = self.committed = lsn_int(stored)
+            self.safe = 0
             self.rels.clear()
-        return self.reader, self.writer
+            self.in_txn = self.skip = False
+            self.stream = SlotStream(self.cfg.db, slot, pub, self.stored)
+            log.info("reading slot %s from %s", slot, stored)
+        return self.stream, self.writer
 
     def drop_connections(self) -> None:
-        for c in (self.reader, self.writer):
-            if c is not None and not c.closed:
-                c.close()
-        self.reader = self.writer = None
+        if self.stream is not None:
+            self.stream.close()
+        if self.writer is not None and not self.writer.closed:
+            self.writer.close()
+        self.stream = None
+        self.writer = None
 
     def shutdown(self) -> None:
         self.drop_connections()
 
     def report_error(self, e: Exception) -> None:
-        if isinstance(e, psycopg.OperationalError):
-            self.drop_connections()
-        elif self.writer is not None and not self.writer.closed:
-            try:
-                self.writer.rollback()
-            except psycopg.Error:
-                self.drop_connections()
+        # the stream has handed out changes the queue does not hold: start it again from the
+        # queue's position (events written but not committed vanish with the connection)
+        self.drop_connections()
 
-    # --- one round ---
+    def sleep(self, seconds: float) -> None:
+        """Idle: wait for the stream's next message; ask the server now and then where it has
+        read to, so that the slot moves on (and its WAL is released) while nothing is captured."""
+        if self.stream is None or self.stream.closed:
+            time.sleep(seconds)
+            return
+        if time.monotonic() - self.asked_at > IDLE_REPORT:
+            self.feedback(reply=True)
+        self.stream.wait(min(seconds, IDLE_REPORT))
+
+    def feedback(self, reply: bool = False) -> None:
+        assert self.stream is not None
+        self.stream.feedback(max(self.committed, self.safe), reply)
+        if reply:
+            self.asked_at = time.monotonic()
+
+    # --- one round: read what the stream has, commit it ---
     def work(self) -> bool:
-        reader, writer = self.connect()
-        # nothing written since the last complete round: no need to decode (and log) anything
-        if lsn_int(reader.execute("select pg_current_wal_flush_lsn()::text").fetchone()[0]) == self.read_upto:
-            return False
+        stream, _ = self.connect()
         self._reset_round()
-        row = writer.execute(
-            "select slot_name, publication, confirmed_lsn::text from pgcascade.walcapture"
-            " where queue_name = %s for update",
-            (self.queue,),
-        ).fetchone()
-        if row is None:
-            raise RuntimeFailure(f"queue {self.queue} no longer captures through a slot")
-        slot, pub, stored = row
-        self.stored = lsn_int(stored)
-        slot_lsn = self.slot_position(reader, slot)
-        if slot_lsn < self.stored:  # the slot's advance was lost in a crash: skip what we have
-            log.info(
-                "slot %s at %s is behind the queue's position %s: advancing it",
-                slot,
-                lsn_str(slot_lsn),
-                stored,
-            )
-            reader.execute("select pg_replication_slot_advance(%s, %s::pg_lsn)", (slot, stored))
-        self.keys = dict(
-            writer.execute(
-                "select table_name, key_columns from pgcascade.set_table where queue_name = %s", (self.queue,)
-            ).fetchall()
-        )
-        upto = lsn_int(reader.execute("select pg_current_wal_flush_lsn()::text").fetchone()[0])
-        n = self.read_slot(reader, slot, pub, upto)
+        started = time.monotonic()
+        more = False
+        while True:
+            if self.in_txn:
+                timeout = 10.0  # the rest of a transaction is on its way
+            elif self.events >= CHUNK_ROWS or time.monotonic() - started > MAX_ROUND_SECONDS:
+                more = True
+                break
+            else:
+                timeout = 0.0
+            msg = stream.read(timeout)
+            if msg is None:
+                if self.in_txn:
+                    raise RuntimeFailure("the replication stream stopped inside a transaction")
+                break
+            if msg[0] == "k":  # keepalive: the server has sent everything before wal_end
+                if not self.in_txn and self.last_end <= self.committed:
+                    self.safe = max(self.safe, msg[1])
+                if msg[2]:
+                    self.feedback()
+                continue
+            self.handle(msg[1])
+        self.commit()
+        self.feedback()
+        return more
+
+    def commit(self) -> None:
+        """Commit the events of the whole source transactions read this round, with their end."""
+        assert self.writer is not None
         self.flush()
-        if self.last_end > self.stored:
-            writer.execute(
+        if self.last_end > self.committed:
+            self.writer.execute(
                 "update pgcascade.walcapture set confirmed_lsn = %s::pg_lsn, last_commit = coalesce(%s, last_commit),"
                 " last_capture = now() where queue_name = %s",
                 (lsn_str(self.last_end), self.last_commit, self.queue),
             )
         if self.events:
-            pause_point("written-not-committed")
-        writer.commit()
+            pause_point("written-not-committed", self.events)
+        self.writer.commit()
         if self.skipped:
-            log.info("skipped %d transactions captured before (the slot had not been advanced)", self.skipped)
+            log.info("skipped %d transactions captured before (the slot had not been told)", self.skipped)
+        if self.last_end > self.committed:
+            self.committed = self.stored = self.last_end
         if self.events:
             log.debug("captured %d events of %d transactions", self.events, self.txns)
-            pause_point("committed-not-advanced")
-        complete = n < self.max_changes  # every transaction committed before `upto` was read
-        self.read_upto = upto if complete else 0
-        target = upto if complete else self.last_end
-        if target > max(slot_lsn, self.stored):
-            reader.execute("select pg_replication_slot_advance(%s, %s::pg_lsn)", (slot, lsn_str(target)))
-        return not complete
-
-    def slot_position(self, reader: psycopg.Connection, slot: str) -> int:
-        row = reader.execute(
-            "select confirmed_flush_lsn::text from pg_replication_slots where slot_name = %s", (slot,)
-        ).fetchone()
-        if row is None:
-            raise RuntimeFailure(
-                f"replication slot {slot} does not exist: run create-root with --capture=logical again"
-                " (changes made while it was missing are not in the queue)"
-            )
-        return lsn_int(row[0])
-
-    def read_slot(self, reader: psycopg.Connection, slot: str, pub: str, upto: int) -> int:
-        n = 0
-        with reader.transaction(), reader.cursor(name="pgcascade_capture") as cur:
-            cur.itersize = 2000
-            cur.execute(
-                "select data from pg_logical_slot_peek_binary_changes(%s, %s::pg_lsn, %s,"
-                " 'proto_version', '1', 'publication_names', %s, 'messages', 'true')",
-                (slot, lsn_str(upto), self.max_changes, pub),
-            )
-            for (data,) in cur:
-                n += 1
-                self.handle(bytes(data))
-        return n
+            pause_point("committed-not-advanced", self.events)
 
     # --- messages ---
     def handle(self, data: bytes) -> None:
@@ -382,10 +460,12 @@ class WalCapture(Daemon):
         r = Reader(data)
         if kind == b"B":
             final_lsn, _ts, _xid = r.unpack(">qqI")
+            self.in_txn = True
             self.skip = final_lsn < self.stored
             self.skipped += self.skip
         elif kind == b"C":
             _flags, _commit_lsn, end_lsn, ts = r.unpack(">bqqq")
+            self.in_txn = False
             if not self.skip:
                 self.last_end = end_lsn
                 self.last_commit = PG_EPOCH + datetime.timedelta(microseconds=ts)
@@ -434,6 +514,13 @@ class WalCapture(Daemon):
             (nsp, name, [c[2] for c in cols], [c[3] for c in cols]),
         ).fetchone()
         names = [c[1] for c in cols]
+        if canonical not in self.keys:  # a table added since: read the keys again
+            self.keys = dict(
+                self.writer.execute(
+                    "select table_name, key_columns from pgcascade.set_table where queue_name = %s",
+                    (self.queue,),
+                ).fetchall()
+            )
         keys = self.keys.get(canonical)
         key_idx = [names.index(k) for k in keys if k in names] if keys else []
         if not key_idx:
