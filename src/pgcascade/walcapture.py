@@ -348,6 +348,7 @@ class WalCapture(Daemon):
             writer.execute(SESSION_SETTINGS)
             # the slot is told about a position right after its commit: it must be on disk first
             writer.execute("set synchronous_commit = on")
+            writer.commit()  # SET in a transaction lasts only if it commits
             node = nodes.get_node(writer, self.queue)
             if node is None or node.node_type != "root" or not is_logical(writer, self.queue):
                 raise UserError(f"this database is not a root of {self.queue} with logical capture")
