@@ -184,7 +184,7 @@ class Relation:
     names: list[str]
     casts: list[str]  # format_type() of each column
     key_idx: list[int]
-    insert_sql: sql.Composed | None = field(default=None, repr=False)
+    insert_sql: bytes | None = field(default=None, repr=False)
 
 
 class Reader:
@@ -315,6 +315,7 @@ class WalCapture(Daemon):
         super().__init__(cfg)
         self.loop_delay = float(cfg.raw["loop_delay"]) if cfg.raw.get("loop_delay") else 0.02
         self.queue = cfg.queue_name or ""
+        self.commit_delay = float(cfg.raw.get("capture_commit_delay") or 0.01)
         self.stream: SlotStream | None = None
         self.writer: psycopg.Connection | None = None
         self.rels: dict[int, Relation] = {}
@@ -411,13 +412,17 @@ class WalCapture(Daemon):
         started = time.monotonic()
         more = False
         while True:
+            elapsed = time.monotonic() - started
             if self.in_txn:
                 timeout = 10.0  # the rest of a transaction is on its way
-            elif self.events >= CHUNK_ROWS or time.monotonic() - started > MAX_ROUND_SECONDS:
+            elif self.events >= CHUNK_ROWS or elapsed > MAX_ROUND_SECONDS:
                 more = True
                 break
             else:
-                timeout = 0.0
+                # gather the transactions of `commit_delay` into one queue transaction: a
+                # commit (an fsync, six statements) per source transaction would cost more
+                # than the application's own
+                timeout = max(self.commit_delay - elapsed, 0.0) if self.txns else 0.0
             msg = stream.read(timeout)
             if msg is None:
                 if self.in_txn:
@@ -578,14 +583,21 @@ class WalCapture(Daemon):
         """Write the buffered rows: one statement per table, each table's rows in order (the
         apply orders a key's events by ev_id; barriers flush first, so they keep their place)."""
         assert self.writer is not None
-        for relid, rows in self.buf.items():
-            rel = self.rels[relid]
-            if rel.insert_sql is None:
-                rel.insert_sql = self.insert_sql(rel)
-            cur = self.writer.execute(rel.insert_sql, (json.dumps(rows, ensure_ascii=False),))
-            if cur.rowcount != len(rows):
+        if not self.buf:
+            return
+        done = []
+        with self.writer.pipeline():  # the tables' statements in one round trip
+            for relid, rows in self.buf.items():
+                rel = self.rels[relid]
+                if rel.insert_sql is None:
+                    rel.insert_sql = self.insert_sql(rel).as_bytes(self.writer)
+                cur = self.writer.cursor()
+                cur.execute(rel.insert_sql, (json.dumps(rows, ensure_ascii=False),))
+                done.append((cur, len(rows)))
+        for cur, n in done:
+            if cur.rowcount != n:
                 raise RuntimeFailure(f"queue {self.queue} does not exist any more")
-            self.events += len(rows)
+            self.events += n
         self.buf.clear()
         self.buf_rows = self.buf_bytes = 0
 
