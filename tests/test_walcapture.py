@@ -261,3 +261,33 @@ def test_capture_killed_between_queue_commit_and_slot_advance(replica, point):
     assert re.search(
         r"reading slot \S+ from 0/0\n.*reading slot \S+ from (?!0/0\n)", r.log("root"), re.S
     ) or (point == "written-not-committed")
+
+
+def test_slot_dropped_shows_in_status_and_is_made_again(replica):
+    """The documented way to drop the slot, what status shows meanwhile, and the way back."""
+    r = replica
+    with r.root.connect() as conn:
+        conn.execute("create table t (id int primary key)")
+    r.cli("root", "create-root", "root", "--capture=logical")
+    r.cli("root", "add-table", "t")
+    slot = r.root.scalar("select slot_name from pgcascade.walcapture")
+    assert r.root.scalar("select count(*) from pg_replication_slots where slot_name = %s", (slot,)) == 1
+    r.root.scalar("select pg_drop_replication_slot(slot_name) from pgcascade.walcapture")
+    out = r.cli("root", "status").stdout
+    assert f"slot {slot} missing" in " ".join(out.split()), out
+    start_capture(r)
+    wait_until(lambda: "capture error" in r.cli("root", "status").stdout, 30, what="the error in status")
+    assert "does not exist" in " ".join(r.cli("root", "status").stdout.split())
+    out = r.cli("root", "create-root", "root", "--capture=logical").stdout
+    assert "created" in out, out
+    with r.root.connect() as conn:
+        conn.execute("insert into t values (1)")
+    wait_until(
+        lambda: r.root.scalar("select count(*) from pgcascade.event where ev_extra1 = 'public.t'") == 1,
+        60,
+        what="the insert captured after the slot was made again",
+    )
+    assert "capture error" not in r.cli("root", "status").stdout
+    # a second daemon cannot read the same slot
+    second = r.cli("root", "capture", check=False, timeout=30)
+    assert second.returncode != 0 and "already running" in second.stderr

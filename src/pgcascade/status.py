@@ -86,22 +86,25 @@ def print_capture_status(console: Console, conn: psycopg.Connection, queue: str)
         return
     r = conn.execute(
         "select slot_name, slot_exists, slot_active, retained_bytes, behind_bytes, wal_status,"
-        " now() - last_commit, now() - last_capture from pgcascade.walcapture_status(%s)",
+        " now() - last_commit, now() - last_capture, last_error, last_error_time"
+        " from pgcascade.walcapture_status(%s)",
         (queue,),
     ).fetchone()
-    slot, exists, active, retained, behind, wal_status, since_commit, since_capture = r
+    slot, exists, active, retained, behind, wal_status, since_commit, since_capture, error, error_time = r
     if not exists:
         console.print(f"capture: logical, slot {slot} [red]missing[/red] (create-root --capture=logical)")
-        return
-    warn = "" if wal_status in ("reserved", None) else f"  [red]wal_status {wal_status}[/red]"
-    console.print(
-        f"capture: logical, slot {slot} ({'in use' if active else 'idle'}), WAL retained {fmt_bytes(retained)},"
-        f" not captured yet {fmt_bytes(behind)}{warn}"
-    )
-    console.print(
-        f"capture lag: last captured commit {fmt_interval(since_commit)} ago,"
-        f" daemon last wrote {fmt_interval(since_capture)} ago"
-    )
+    else:
+        warn = "" if wal_status in ("reserved", None) else f"  [red]wal_status {wal_status}[/red]"
+        console.print(
+            f"capture: logical, slot {slot} ({'in use' if active else 'idle'}),"
+            f" WAL retained {fmt_bytes(retained)}, not captured yet {fmt_bytes(behind)}{warn}"
+        )
+        console.print(
+            f"capture lag: last captured commit {fmt_interval(since_commit)} ago,"
+            f" daemon last wrote {fmt_interval(since_capture)} ago"
+        )
+    if error:
+        console.print(f"[red]capture error[/red] ({error_time:%Y-%m-%d %H:%M:%S}): {error}")
 
 
 def node_lag(conn: psycopg.Connection, prov: psycopg.Connection | None, node: Node) -> dict:

@@ -41,7 +41,7 @@ from psycopg import pq, sql
 from pgcascade import node as nodes
 from pgcascade.config import JobConfig
 from pgcascade.daemon import Daemon
-from pgcascade.errors import RuntimeFailure, UserError, db_error_line
+from pgcascade.errors import RuntimeFailure, UserError, db_error_line, redact
 
 log = logging.getLogger("pgcascade.capture")
 
@@ -55,6 +55,7 @@ SESSION_SETTINGS = (
 CHUNK_ROWS = 5000  # rows buffered before they are written; a round commits after this many
 MAX_ROUND_SECONDS = 0.5  # a round under steady load commits at least this often
 IDLE_REPORT = 0.2  # when idle, ask the server where it has read to this often
+KEEPALIVE_SECONDS = 10.0  # status updates at least this often, also while busy
 CHUNK_BYTES = 8 << 20
 PG_EPOCH = datetime.datetime(2000, 1, 1, tzinfo=datetime.UTC)
 
@@ -187,6 +188,10 @@ class Relation:
     insert_sql: bytes | None = field(default=None, repr=False)
 
 
+U16 = struct.Struct(">H")
+U32 = struct.Struct(">I")
+
+
 class Reader:
     """A cursor over one pgoutput message."""
 
@@ -211,20 +216,28 @@ class Reader:
         return s
 
     def tuple(self) -> list[Value]:
-        (n,) = self.unpack(">H")
+        """A TupleData: the hot path (every row of every change), so plain locals."""
+        d = self.d
+        p = self.p
+        (n,) = U16.unpack_from(d, p)
+        p += 2
         vals: list[Value] = []
+        append = vals.append
         for _ in range(n):
-            kind = self.byte()
-            if kind == b"n":
-                vals.append(None)
-            elif kind == b"u":
-                vals.append(UNCHANGED)
-            elif kind == b"t":
-                (length,) = self.unpack(">I")
-                vals.append(self.d[self.p : self.p + length].decode())
-                self.p += length
+            kind = d[p]
+            p += 1
+            if kind == 0x74:  # 't': Int32 length, text
+                (length,) = U32.unpack_from(d, p)
+                p += 4
+                append(d[p : p + length].decode())
+                p += length
+            elif kind == 0x6E:  # 'n'
+                append(None)
+            elif kind == 0x75:  # 'u'
+                append(UNCHANGED)
             else:
-                raise RuntimeFailure(f"pgoutput: unexpected tuple value kind {kind!r}")
+                raise RuntimeFailure(f"pgoutput: unexpected tuple value kind {chr(kind)!r}")
+        self.p = p
         return vals
 
 
@@ -271,8 +284,8 @@ class SlotStream:
     def read(self, timeout: float) -> tuple | None:
         """("w", pgoutput message) or ("k", server's sent position, reply wanted); None when
         nothing came within `timeout` seconds."""
-        deadline = time.monotonic() + timeout
-        self.pg.consume_input()  # whatever arrived on the socket
+        deadline = 0.0
+        consumed = False
         while True:
             n, data = self.pg.get_copy_data(1)
             if n > 0:
@@ -283,7 +296,12 @@ class SlotStream:
                     wal_end, _ts, reply = struct.unpack_from(">qqb", data, 1)
                     return ("k", wal_end, reply)
                 continue
-            if n == 0:
+            if n == 0:  # nothing buffered: read what reached the socket, then wait
+                if not consumed:
+                    self.pg.consume_input()
+                    consumed = True
+                    deadline = time.monotonic() + timeout
+                    continue
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
@@ -326,6 +344,7 @@ class WalCapture(Daemon):
         self.in_txn = False  # between a B and its C
         self.skip = False  # the current source transaction was captured before
         self.asked_at = 0.0
+        self.fed_at = 0.0
         self._reset_round()
 
     def _reset_round(self) -> None:
@@ -371,6 +390,12 @@ class WalCapture(Daemon):
             self.in_txn = self.skip = False
             self.stream = SlotStream(self.cfg.db, slot, pub, self.stored)
             log.info("reading slot %s from %s", slot, stored)
+            writer.execute(
+                "update pgcascade.walcapture set last_error = null, last_error_time = null"
+                " where queue_name = %s and last_error is not null",
+                (self.queue,),
+            )
+            writer.commit()
         return self.stream, self.writer
 
     def drop_connections(self) -> None:
@@ -388,6 +413,16 @@ class WalCapture(Daemon):
         # the stream has handed out changes the queue does not hold: start it again from the
         # queue's position (events written but not committed vanish with the connection)
         self.drop_connections()
+        # and make the failure visible in `status` (best effort: the database may be down)
+        message = db_error_line(e) if isinstance(e, psycopg.Error) else str(e)
+        try:
+            with psycopg.connect(self.cfg.db or "", autocommit=True, connect_timeout=5) as conn:
+                conn.execute(
+                    "update pgcascade.walcapture set last_error = %s, last_error_time = now() where queue_name = %s",
+                    (redact(message), self.queue),
+                )
+        except psycopg.Error:
+            pass
 
     def sleep(self, seconds: float) -> None:
         """Idle: wait for the stream's next message; ask the server now and then where it has
@@ -402,8 +437,15 @@ class WalCapture(Daemon):
     def feedback(self, reply: bool = False) -> None:
         assert self.stream is not None
         self.stream.feedback(max(self.committed, self.safe), reply)
+        self.fed_at = time.monotonic()
         if reply:
-            self.asked_at = time.monotonic()
+            self.asked_at = self.fed_at
+
+    def keep_alive(self) -> None:
+        """While a big transaction is read and written: the walsender drops a client silent for
+        wal_sender_timeout (60 s by default)."""
+        if time.monotonic() - self.fed_at > KEEPALIVE_SECONDS and self.stream is not None:
+            self.feedback()
 
     # --- one round: read what the stream has, commit it ---
     def work(self) -> bool:
@@ -411,6 +453,7 @@ class WalCapture(Daemon):
         self._reset_round()
         started = time.monotonic()
         more = False
+        n = 0
         while True:
             elapsed = time.monotonic() - started
             if self.in_txn:
@@ -435,6 +478,9 @@ class WalCapture(Daemon):
                     self.feedback()
                 continue
             self.handle(msg[1])
+            n += 1
+            if n % 1000 == 0:
+                self.keep_alive()
         self.commit()
         self.feedback()
         return more
@@ -446,7 +492,7 @@ class WalCapture(Daemon):
         if self.last_end > self.committed:
             self.writer.execute(
                 "update pgcascade.walcapture set confirmed_lsn = %s::pg_lsn, last_commit = coalesce(%s, last_commit),"
-                " last_capture = now() where queue_name = %s",
+                " last_capture = now(), last_error = null, last_error_time = null where queue_name = %s",
                 (lsn_str(self.last_end), self.last_commit, self.queue),
             )
         if self.events:
@@ -483,13 +529,13 @@ class WalCapture(Daemon):
         elif kind == b"I":
             (relid,) = r.unpack(">I")
             r.byte()  # 'N'
-            self.add_row(relid, "I", r.tuple())
+            self.add_row(relid, "I", r.tuple(), len(data))
         elif kind == b"U":
-            self.on_update(r)
+            self.on_update(r, len(data))
         elif kind == b"D":
             (relid,) = r.unpack(">I")
             r.byte()  # 'K' or 'O'
-            self.add_row(relid, "D", r.tuple())
+            self.add_row(relid, "D", r.tuple(), len(data))
         elif kind == b"T":
             (nrels,) = r.unpack(">I")
             r.unpack(">b")  # cascade / restart identity: the subscriber truncates its own way
@@ -535,7 +581,7 @@ class WalCapture(Daemon):
             self.flush()  # rows buffered under the old definition go out with it
         self.rels[relid] = Relation(relid, canonical, names, casts, key_idx)
 
-    def on_update(self, r: Reader) -> None:
+    def on_update(self, r: Reader, size: int) -> None:
         (relid,) = r.unpack(">I")
         kind = r.byte()
         old: list[Value] | None = None
@@ -553,10 +599,10 @@ class WalCapture(Daemon):
                     )
                 new[i] = old[i]  # type: ignore[index]
         if old is not None and any(old[i] != new[i] for i in rel.key_idx):
-            self.add_row(relid, "D", old)  # the key changed: as the triggers write it
-            self.add_row(relid, "I", new)
+            self.add_row(relid, "D", old, size)  # the key changed: as the triggers write it
+            self.add_row(relid, "I", new, size)
         else:
-            self.add_row(relid, "U", new)
+            self.add_row(relid, "U", new, size)
 
     def on_message(self, r: Reader) -> None:
         (_flags, _lsn) = r.unpack(">bq")
@@ -572,10 +618,10 @@ class WalCapture(Daemon):
         self.insert_event(ev["type"], ev.get("data"), ev.get("extra1"))
 
     # --- writing events ---
-    def add_row(self, relid: int, op: str, vals: list[Value]) -> None:
+    def add_row(self, relid: int, op: str, vals: list[Value], size: int) -> None:
         self.buf.setdefault(relid, []).append([op, vals])
         self.buf_rows += 1
-        self.buf_bytes += sum(len(v) for v in vals if isinstance(v, str)) + 16
+        self.buf_bytes += size  # the message's length: close enough to the JSON's
         if self.buf_rows >= CHUNK_ROWS or self.buf_bytes >= CHUNK_BYTES:
             self.flush()
 

@@ -91,12 +91,13 @@ create or replace function pgcascade.walcapture_status(
     i_queue text,
     out slot_name text, out slot_exists bool, out slot_active bool,
     out retained_bytes int8, out behind_bytes int8, out wal_status text,
-    out confirmed_lsn pg_lsn, out last_commit timestamptz, out last_capture timestamptz)
+    out confirmed_lsn pg_lsn, out last_commit timestamptz, out last_capture timestamptz,
+    out last_error text, out last_error_time timestamptz)
 language sql stable as $$
     select w.slot_name, s.slot_name is not null, s.active,
            pg_wal_lsn_diff(pg_current_wal_lsn(), s.restart_lsn)::int8,
            pg_wal_lsn_diff(pg_current_wal_lsn(), greatest(w.confirmed_lsn, s.confirmed_flush_lsn))::int8,
-           s.wal_status, w.confirmed_lsn, w.last_commit, w.last_capture
+           s.wal_status, w.confirmed_lsn, w.last_commit, w.last_capture, w.last_error, w.last_error_time
       from pgcascade.walcapture w
       left join pg_replication_slots s on s.slot_name = w.slot_name
      where w.queue_name = i_queue

@@ -14,5 +14,7 @@ create table pgcascade.walcapture (
     confirmed_lsn  pg_lsn not null default '0/0',
     last_commit    timestamptz,     -- commit time of the last source transaction captured
     last_capture   timestamptz,     -- when the daemon last wrote its position
+    last_error     text,            -- the daemon's last failure, cleared by its next capture
+    last_error_time timestamptz,
     created        timestamptz not null default now()
 );
