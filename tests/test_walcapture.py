@@ -113,7 +113,8 @@ def test_truncate_execute_and_a_big_transaction(replica):
     r.cli("root", "create-root", "root", "--capture=logical")
     r.cli("leaf", "create-leaf", "leaf1", "--provider", r.root.connstr)
     r.cli("root", "add-table", "t")
-    r.cli("root", "add-table", "nokey", "--key=a")
+    added = r.cli("root", "add-table", "nokey", "--key=a")
+    assert "public.nokey: REPLICA IDENTITY FULL" in added.stderr
     r.cli("leaf", "add-table", "t", "nokey", "--create")
     r.start_ticker()
     r.start_worker()
@@ -291,3 +292,24 @@ def test_slot_dropped_shows_in_status_and_is_made_again(replica):
     # a second daemon cannot read the same slot
     second = r.cli("root", "capture", check=False, timeout=30)
     assert second.returncode != 0 and "already running" in second.stderr
+
+
+def test_tables_copied_under_load_end_equal(replica):
+    """A subscriber's initial copy while pgbench writes and the capture daemon queues: the end
+    state is equal (see the documented limitation: some changes just before the copy's
+    snapshot are applied once more, as whole-row upserts, so only ALWAYS triggers would see it)."""
+    r = replica
+    pgbench_init(r.root)
+    r.cli("root", "create-root", "root", "--capture=logical")
+    r.cli("leaf", "create-leaf", "leaf1", "--provider", r.root.connstr)
+    r.cli("root", "add-table", *PGBENCH_TABLES)
+    r.cli("leaf", "add-table", *PGBENCH_TABLES, "--create")
+    r.start_ticker()
+    start_capture(r)
+    load = pgbench(r.root, "-c", "2", "-j", "2", "-T", "8", "-R", "200")
+    time.sleep(1)
+    r.start_worker()
+    assert load.wait(timeout=60) == 0, load.stderr.read()
+    r.wait_sync()
+    r.assert_equal(*PGBENCH_TABLES)
+    assert_captured_once(r)

@@ -148,9 +148,16 @@ def setup_logical(conn: psycopg.Connection, queue: str) -> bool:
 
 def add_table(conn: psycopg.Connection, queue: str, table: str, keys: list[str]) -> str:
     """Publish the table; returns the replica identity it needs ('default' or 'full')."""
-    return conn.execute(
+    ident = conn.execute(
         "select pgcascade.walcapture_add_table(%s, %s::regclass, %s)", (queue, table, keys)
     ).fetchone()[0]
+    if ident == "full":
+        log.warning(
+            "%s: REPLICA IDENTITY FULL (its key is not the primary key, or an UPDATE may leave a"
+            " TOASTed value out): its updates and deletes log the whole old row",
+            table,
+        )
+    return ident
 
 
 def remove_table(conn: psycopg.Connection, queue: str, table: str) -> None:
