@@ -376,7 +376,7 @@ class PgCascadeLogical(PgCascade):
         PROCS.stop(self.capture)
         self.capture = None
         with contextlib.suppress(psycopg.Error), pair.pconn() as conn:
-            # the slot is the cluster's, not the database's: it must go before the database
+            # DROP DATABASE would drop it too, but not while the walsender is still going away
             conn.execute(
                 "select pg_drop_replication_slot(slot_name) from pg_replication_slots where database = %s",
                 (pair.name,),

@@ -17,7 +17,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import table_checksum
+from conftest import run_cli, table_checksum
 from test_replication import PGBENCH_TABLES, add_apply_audit, assert_applied_once, pgbench, pgbench_init
 from test_replication_types import COLUMNS, NEG_ZERO, ROWS, TYPES_DDL, create_alltypes, insert_rows
 
@@ -313,3 +313,33 @@ def test_tables_copied_under_load_end_equal(replica):
     r.wait_sync()
     r.assert_equal(*PGBENCH_TABLES)
     assert_captured_once(r)
+
+
+def test_refusals_are_one_line_with_exit_2(replica, make_db, write_config):
+    r = replica
+    with r.root.connect() as conn:
+        conn.execute("create table t (id int primary key)")
+    r.cli("root", "create-root", "root")  # trigger capture
+    r.cli("root", "add-table", "t")
+    r.cli("leaf", "create-leaf", "leaf1", "--provider", r.root.connstr)
+    cases = [
+        (("root", "capture"), "has no logical capture"),
+        (("leaf", "capture"), "has no logical capture"),
+        (("root", "create-root", "root", "--capture=logical"), "captures with triggers and has tables"),
+        (("root", "create-root", "root", "--capture=sideways"), "Invalid value for '--capture'"),
+    ]
+    for args, message in cases:
+        res = r.cli(*args, check=False, timeout=30)
+        assert res.returncode == 2, (args, res.stdout, res.stderr)
+        assert message in res.stderr and len(res.stderr.strip().splitlines()) == 1, (args, res.stderr)
+        assert "Traceback" not in res.stderr
+    # a logical root refuses the trigger-only event format
+    db = make_db("a")
+    with db.connect() as conn:
+        conn.execute("create table u (id int primary key)")
+    other = write_config("other", db=db.connstr, queue_name="other")
+    res = run_cli(other, "create-root", "r2", "--capture=logical")
+    assert res.returncode == 0, res.stderr
+    res = run_cli(other, "add-table", "u", "--format=sql")
+    assert res.returncode == 2 and "json events only" in res.stderr, res.stderr
+    assert db.scalar("select count(*) from pgcascade.set_table") == 0
