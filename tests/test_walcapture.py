@@ -343,3 +343,10 @@ def test_refusals_are_one_line_with_exit_2(replica, make_db, write_config):
     res = run_cli(other, "add-table", "u", "--format=sql")
     assert res.returncode == 2 and "json events only" in res.stderr, res.stderr
     assert db.scalar("select count(*) from pgcascade.set_table") == 0
+
+
+def test_no_slot_left_behind(pool):
+    """Runs last in this file: every test's database, and with it its slot, is gone (the
+    session's cluster allows 10 slots)."""
+    with pool.get("a").connect() as conn:
+        assert conn.execute("select count(*) from pg_replication_slots").fetchone()[0] == 0
