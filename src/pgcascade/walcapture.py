@@ -354,6 +354,11 @@ class WalCapture(Daemon):
         self.fed_at = 0.0
         self._reset_round()
 
+    def reload(self) -> None:
+        """SIGHUP (-r): the timing settings; db and queue_name need a restart."""
+        self.loop_delay = float(self.cfg.raw["loop_delay"]) if self.cfg.raw.get("loop_delay") else 0.02
+        self.commit_delay = float(self.cfg.raw.get("capture_commit_delay") or 0.01)
+
     def _reset_round(self) -> None:
         self.buf: dict[int, list[list]] = {}
         self.buf_rows = 0
