@@ -303,7 +303,7 @@ class PgCascade(System):
         self.root_ini = self.ini("root", db=pair.prov, queue_name=QUEUE)
         self.leaf_ini = self.ini("leaf", db=pair.sub, queue_name=QUEUE, **PGC_LEAF)
         self.ticker_ini = self.ini("ticker", db=pair.prov, **PGC_TICKER)
-        self.cli(self.root_ini, "create-root", "root")
+        self.create_root()
         self.cli(self.leaf_ini, "create-leaf", "leaf", f"--provider={pair.prov}")
         with pair.pconn() as conn:
             for k, v in PGC_QUEUE.items():
@@ -313,6 +313,9 @@ class PgCascade(System):
             self.cli(self.leaf_ini, "add-table", *tables, "--expect-sync")
         self.ticker = PROCS.start([*PGCASCADE, "ticker", str(self.ticker_ini)], self.dir / "ticker.out")
         self.start_consumer(pair)
+
+    def create_root(self) -> None:
+        self.cli(self.root_ini, "create-root", "root")
 
     def start_consumer(self, pair: Pair) -> None:
         self.worker = PROCS.start([*PGCASCADE, str(self.leaf_ini), "worker"], self.dir / "worker.out")
@@ -347,6 +350,56 @@ class PgCascade(System):
             (int(m.group(1)), float(m.group(3)))
             for m in re.finditer(r"(?<!: )\{count: (\d+), ignored: (\d+), duration: ([0-9.]+)\}", text)
         ]
+
+
+class PgCascadeLogical(PgCascade):
+    """pgcascade with logical capture on the root: a slot read by the capture daemon (W1 only)."""
+
+    label = "pgcascade, logical capture"
+    key = "pgcascade-logical"
+    w1_only = True
+
+    def __init__(self, env: Env):
+        super().__init__(env)
+        self.dir = env.work / "pgcascade-logical"
+        self.capture: subprocess.Popen | None = None
+
+    def create_root(self) -> None:
+        self.cli(self.root_ini, "create-root", "root", "--capture=logical")
+
+    def setup(self, pair: Pair, tables: list[str], copy: bool = False) -> None:
+        super().setup(pair, tables, copy)
+        self.capture = PROCS.start([*PGCASCADE, str(self.root_ini), "capture"], self.dir / "capture.out")
+
+    def teardown(self, pair: Pair) -> None:
+        super().teardown(pair)
+        PROCS.stop(self.capture)
+        self.capture = None
+        with contextlib.suppress(psycopg.Error), pair.pconn() as conn:
+            # DROP DATABASE would drop it too, but not while the walsender is still going away
+            conn.execute(
+                "select pg_drop_replication_slot(slot_name) from pg_replication_slots where database = %s",
+                (pair.name,),
+            )
+
+
+class LogicalCaptureOnly(System):
+    """W1 diagnostic: the capture daemon alone on the provider (no ticker, no worker)."""
+
+    label = "pgcascade, logical capture only"
+    key = "pgcascade-logical-capture"
+
+    def __init__(self, env: Env):
+        super().__init__(env)
+        self.pgc = PgCascadeLogical(env)
+
+    def setup(self, pair: Pair, tables: list[str], copy: bool = False) -> None:
+        self.pgc.setup(pair, tables, copy)
+        PROCS.stop(self.pgc.worker)
+        PROCS.stop(self.pgc.ticker)
+
+    def teardown(self, pair: Pair) -> None:
+        self.pgc.teardown(pair)
 
 
 class Londiste(System):
@@ -499,6 +552,8 @@ def run_w1(env: Env, systems: list[System], res: Results, seconds: int, rounds: 
     everyone: list[System] = [NoReplication(env), *systems]
     if any(s.key == "pgcascade" for s in systems):
         everyone.append(CaptureOnly(env))
+    if any(s.key == "pgcascade-logical" for s in systems):
+        everyone.append(LogicalCaptureOnly(env))
     for rnd in range(rounds):
         order = everyone[rnd % len(everyone) :] + everyone[: rnd % len(everyone)]
         for s in order:
@@ -797,7 +852,7 @@ def fmt_ratio(x: float | None) -> str:
 
 
 def report(res: Results, systems: list[System], args: argparse.Namespace) -> list[str]:
-    peers = [s for s in systems if s.key != "pgcascade"]
+    peers = [s for s in systems if not s.key.startswith("pgcascade")]
     keys = [s.key for s in systems]
     head = ["figure", "unit", "no replication / reference", *[s.label for s in systems]]
     head += [f"pgcascade vs {p.label}" for p in peers] + ["goal", "met"]
@@ -837,6 +892,10 @@ def report(res: Results, systems: list[System], args: argparse.Namespace) -> lis
             ratios = {k: v / base for k, v in med.items() if k != "none"}
             ok = ratios.get("pgcascade", 0) >= 0.92
             goals.append(("W1 TPS with capture >= 0.92 of no capture", ok))
+            if "pgcascade-logical" in ratios:
+                goals.append(
+                    ("W1 TPS with logical capture >= 0.92 of no capture", ratios["pgcascade-logical"] >= 0.92)
+                )
             row(
                 "W1 TPS ratio to no replication",
                 "ratio",
@@ -924,6 +983,13 @@ def details(res: Results) -> list[str]:
                 f"- W1 diagnostic, pgcascade's capture triggers alone (no ticker, no worker): {cap:,.0f} tps,"
                 f" {cap / base:.2f} of no replication"
             )
+        if "pgcascade-logical-capture" in res.w1 and "none" in res.w1:
+            cap = statistics.median(res.w1["pgcascade-logical-capture"])
+            base = statistics.median(res.w1["none"])
+            out.append(
+                f"- W1 diagnostic, pgcascade's logical capture daemon alone (no ticker, no worker): {cap:,.0f} tps,"
+                f" {cap / base:.2f} of no replication"
+            )
     for (_k, txns), r in sorted(res.w2a.items()):
         if "batches" in r:
             b = r["batches"]
@@ -951,7 +1017,11 @@ def main(argv: list[str] | None = None) -> int:
         help="a smoke test: W1 runs 10 s, W2a catches up 20k transactions only",
     )
     ap.add_argument("--only", default=",".join(ALL_WORKLOADS), help="workloads to run: W1,W2a,W2b,W3")
-    ap.add_argument("--systems", default="pgcascade,londiste,native", help="systems to measure")
+    ap.add_argument(
+        "--systems",
+        default="pgcascade,pgcascade-logical,londiste,native",
+        help="systems to measure (pgcascade-logical: W1 only)",
+    )
     ap.add_argument(
         "--rounds",
         type=int,
@@ -994,7 +1064,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     env = Env(prov, sub, work)
     res = Results()
-    classes = {"pgcascade": PgCascade, "londiste": Londiste, "native": Native}
+    classes = {
+        "pgcascade": PgCascade,
+        "pgcascade-logical": PgCascadeLogical,
+        "londiste": Londiste,
+        "native": Native,
+    }
     systems = [classes[k](env) for k in wanted]
     try:
         with prov.connect() as conn:
@@ -1005,8 +1080,9 @@ def main(argv: list[str] | None = None) -> int:
             make_template(sub, "tmpl10", 10)
         if "W1" in only:
             run_w1(env, systems, res, args.w1_seconds, args.rounds)
+        full = [s for s in systems if not getattr(s, "w1_only", False)]
         if only & {"W2a", "W2b"}:
-            run_w2(env, systems, res, backlogs, "W2a" in only, "W2b" in only, w2b_seconds)
+            run_w2(env, full, res, backlogs, "W2a" in only, "W2b" in only, w2b_seconds)
         if "W3" in only:
             log("making the scale-50 template")
             with contextlib.suppress(psycopg.Error):
@@ -1015,7 +1091,7 @@ def main(argv: list[str] | None = None) -> int:
                         conn.execute("drop database if exists tmpl10")
             make_template(prov, "tmpl50", 50)
             make_w3_subscriber_template(sub, "tmpl50_sub")
-            run_w3(env, systems, res)
+            run_w3(env, full, res)
         load = os.getloadavg()
         elapsed = datetime.datetime.now().astimezone() - started
     finally:

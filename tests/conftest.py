@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -116,7 +117,26 @@ def make_db(pool: ClusterPool, request: pytest.FixtureRequest) -> Iterator:
             print(f"\n----- server log of cluster {c.name} (port {c.port}) -----\n{c.log_tail()}")
     for d in made:
         with contextlib.suppress(psycopg.Error):
+            release_slots(d)
             d.cluster.drop_database(d.name)
+
+
+def release_slots(db: Database, timeout: float = 10.0) -> None:
+    """End the walsenders reading the database's replication slots (a capture daemon just
+    killed leaves one for a moment): DROP DATABASE drops the slots, but not active ones."""
+    with db.cluster.connect() as conn:
+        conn.execute(
+            "select pg_terminate_backend(active_pid) from pg_replication_slots where database = %s and active",
+            (db.name,),
+        )
+        deadline = time.monotonic() + timeout
+        while (
+            time.monotonic() < deadline
+            and conn.execute(
+                "select count(*) from pg_replication_slots where database = %s and active", (db.name,)
+            ).fetchone()[0]
+        ):
+            time.sleep(0.05)
 
 
 @pytest.fixture

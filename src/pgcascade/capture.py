@@ -1,16 +1,17 @@
 """Change capture on the root: which tables and sequences the set replicates.
 
 `add_tables` installs the generated statement-level capture triggers (sql/functions/90_capture.sql)
-and registers the table in `set_table`, with its key: the primary key, or the columns the
-user names for a table without one.  Each change of the table list also goes into the queue as
-a `T` event (the seed's table-list event), so subscribers see tables leave the set in order.
+- or, on a root with logical capture, adds the table to its publication (walcapture.py) - and
+registers the table in `set_table`, with its key: the primary key, or the columns the user
+names for a table without one.  Each change of the table list also goes into the queue as a
+`T` event (the seed's table-list event), so subscribers see tables leave the set in order.
 """
 
 from __future__ import annotations
 
 import psycopg
 
-from pgcascade import catalog
+from pgcascade import catalog, walcapture
 from pgcascade.catalog import TableRef
 from pgcascade.errors import UserError
 
@@ -27,7 +28,7 @@ def set_tables(conn: psycopg.Connection, queue: str) -> dict[str, list[str]]:
 
 def emit_table_list(conn: psycopg.Connection, queue: str) -> None:
     names = ",".join(set_tables(conn, queue))
-    conn.execute("select pgcascade.insert_event(%s, 'T', %s)", (queue, names))
+    conn.execute("select pgcascade.emit_event(%s, 'T', %s, null)", (queue, names))
 
 
 def add_tables(
@@ -45,6 +46,9 @@ def add_tables(
     if not tables:
         raise UserError("no tables to add")
     known = set_tables(conn, queue)
+    logical = walcapture.is_logical(conn, queue)
+    if logical and event_format != "json":
+        raise UserError("logical capture writes json events only: --format=sql needs trigger capture")
     added = []
     with conn.transaction():
         for t in tables:
@@ -53,10 +57,13 @@ def add_tables(
                 raise UserError(
                     f"table {t.canonical} has no primary key: give the key columns with --key=COL[,COL...]"
                 )
-            conn.execute(
-                "select pgcascade.capture_enable(%s, %s::regclass, %s, %s)",
-                (queue, t.canonical, keys, event_format),
-            )
+            if logical:
+                walcapture.add_table(conn, queue, t.canonical, keys)
+            else:
+                conn.execute(
+                    "select pgcascade.capture_enable(%s, %s::regclass, %s, %s)",
+                    (queue, t.canonical, keys, event_format),
+                )
             conn.execute(
                 "insert into pgcascade.set_table (queue_name, table_name, key_columns, event_format)"
                 " values (%s, %s, %s, %s) on conflict (queue_name, table_name)"
@@ -85,6 +92,7 @@ def remove_tables(conn: psycopg.Connection, queue: str, patterns: list[str]) -> 
         for n in names:
             if catalog.table_exists(conn, n):
                 conn.execute("select pgcascade.capture_disable(%s::regclass)", (n,))
+                walcapture.remove_table(conn, queue, n)
             conn.execute(
                 "delete from pgcascade.set_table where queue_name = %s and table_name = %s", (queue, n)
             )

@@ -2,6 +2,7 @@
 
     pgcascade CONFIG.ini VERB [ARGS]       a verb on the job that CONFIG.ini describes
     pgcascade ticker CONFIG.ini [-d|-s|-k|-r]
+    pgcascade CONFIG.ini capture [-d|-s|-k|-r]   the root's logical capture daemon
     pgcascade demo
 
 The config comes first, as in Londiste; main() moves it behind `--config` for click.
@@ -19,7 +20,7 @@ from pathlib import Path
 import click
 import psycopg
 
-from pgcascade import capture, schema, subscriber
+from pgcascade import capture, schema, subscriber, walcapture
 from pgcascade import node as nodes
 from pgcascade import queue as q
 from pgcascade.config import JobConfig, load_config
@@ -257,12 +258,27 @@ def status(ctx: Context) -> None:
 @cli.command("create-root")
 @click.argument("node_name")
 @click.argument("location", required=False)
+@click.option(
+    "--capture",
+    "capture_mode",
+    type=click.Choice(["trigger", "logical"]),
+    help="How changes are captured: trigger (default) or logical (a slot read by the capture daemon).",
+)
 @pass_ctx
-def create_root(ctx: Context, node_name: str, location: str | None) -> None:
+def create_root(ctx: Context, node_name: str, location: str | None, capture_mode: str | None) -> None:
     """Make this database the root of the set: install, create the queue."""
     with ctx.connect() as conn:
         created = nodes.create_root(conn, ctx.queue(), node_name, location or ctx.db())
-    click.echo(f"root {node_name} of {ctx.queue()}: {'created' if created else 'exists already'}")
+        logical = walcapture.is_logical(conn, ctx.queue())
+        if capture_mode == "logical":
+            created = walcapture.setup_logical(conn, ctx.queue()) or created
+            logical = True
+        elif capture_mode == "trigger" and logical:
+            raise UserError(f"root of {ctx.queue()} captures through a slot already (logical)")
+    mode = "logical: run the capture daemon" if logical else "trigger"
+    click.echo(
+        f"root {node_name} of {ctx.queue()}: {'created' if created else 'exists already'} (capture {mode})"
+    )
 
 
 def create_subscriber(
@@ -603,9 +619,9 @@ def execute(ctx: Context, files: tuple[str, ...]) -> None:
                     " and to_regclass(table_name) is not null",
                     (ctx.queue(),),
                 )
+                # with logical capture, through the WAL: in order with the changes around it
                 conn.execute(
-                    "select pgcascade.insert_event(%s, 'EXECUTE', %s, %s, null, null, null)",
-                    (ctx.queue(), text, Path(f).name),
+                    "select pgcascade.emit_event(%s, 'EXECUTE', %s, %s)", (ctx.queue(), text, Path(f).name)
                 )
             click.echo(f"executed {f}")
 
@@ -740,6 +756,22 @@ def worker(ctx: Context, detach: bool, ctl: str | None) -> None:
     if not ctl:
         refuse_worker_without_node(ctx)
     control_or_start(ctx, Worker, detach, ctl)
+
+
+@cli.command("capture")
+@daemon_switches
+@pass_ctx
+def capture_daemon(ctx: Context, detach: bool, ctl: str | None) -> None:
+    """Run the root's logical capture daemon: the slot into the queue (-d, -s, -k, -r)."""
+    if not ctl:
+        try:
+            conn = ctx.connect()
+        except psycopg.OperationalError:
+            conn = None  # unreachable: the daemon retries
+        if conn is not None:
+            with conn:
+                walcapture.refuse_without_logical_root(conn, ctx.queue())
+    control_or_start(ctx, walcapture.WalCapture, detach, ctl)
 
 
 @cli.command(hidden=True)

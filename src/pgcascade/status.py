@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.tree import Tree
 
 from pgcascade import queue as q
-from pgcascade import subscriber
+from pgcascade import subscriber, walcapture
 from pgcascade.errors import RuntimeFailure, db_error_line
 from pgcascade.node import Node, get_node, provider_location
 
@@ -68,6 +68,44 @@ def queue_tables(conn: psycopg.Connection) -> Group:
 
 def print_queue_status(conn: psycopg.Connection) -> None:
     Console().print(queue_tables(conn))
+
+
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def print_capture_status(console: Console, conn: psycopg.Connection, queue: str) -> None:
+    """The capture mode; for logical capture the slot, the WAL it retains and the capture lag."""
+    if not walcapture.is_logical(conn, queue):
+        console.print("capture: triggers")
+        return
+    r = conn.execute(
+        "select slot_name, slot_exists, slot_active, retained_bytes, behind_bytes, wal_status,"
+        " now() - last_commit, now() - last_capture, last_error, last_error_time"
+        " from pgcascade.walcapture_status(%s)",
+        (queue,),
+    ).fetchone()
+    slot, exists, active, retained, behind, wal_status, since_commit, since_capture, error, error_time = r
+    if not exists:
+        console.print(f"capture: logical, slot {slot} [red]missing[/red] (create-root --capture=logical)")
+    else:
+        warn = "" if wal_status in ("reserved", None) else f"  [red]wal_status {wal_status}[/red]"
+        console.print(
+            f"capture: logical, slot {slot} ({'in use' if active else 'idle'}),"
+            f" WAL retained {fmt_bytes(retained)}, not captured yet {fmt_bytes(behind)}{warn}"
+        )
+        console.print(
+            f"capture lag: last captured commit {fmt_interval(since_commit)} ago,"
+            f" daemon last wrote {fmt_interval(since_capture)} ago"
+        )
+    if error:
+        console.print(f"[red]capture error[/red] ({error_time:%Y-%m-%d %H:%M:%S}): {error}")
 
 
 def node_lag(conn: psycopg.Connection, prov: psycopg.Connection | None, node: Node) -> dict:
@@ -150,6 +188,8 @@ def print_node_status(conn: psycopg.Connection, node: Node) -> None:
     console = Console()
     console.print(f"[bold]{node.node_name}[/bold] ({node.node_type}) of set {node.queue_name}")
     console.print(set_tree(conn, node.queue_name))
+    if node.role.captures_changes:
+        print_capture_status(console, conn, node.queue_name)
     if node.role.has_queue:
         console.print(queue_tables(conn))
         console.print(watermark_table(conn, node.queue_name))
@@ -190,6 +230,8 @@ def wait_sync(conn: psycopg.Connection, prov: psycopg.Connection, node: Node, ti
     """Wait until every table is ok and the node applied a tick taken after this call began."""
     prov_node = get_node(prov, node.queue_name)
     if prov_node is not None and prov_node.node_type == "root":
+        if walcapture.is_logical(prov, node.queue_name):
+            walcapture.wait_captured(prov, node.queue_name, timeout)  # the slot read up to now
         target = q.ticker(prov, node.queue_name)  # a tick now: everything committed so far is in it
     else:
         target = prov.execute(

@@ -1,0 +1,224 @@
+#!/usr/bin/env python3
+"""Server CPU per TPC-B transaction on the root, by capture mode: none, trigger, logical.
+
+One throwaway cluster (fsync and synchronous_commit on, shared_buffers 1GB), pgbench scale 1
+(`pgbench_history` with `hid bigserial primary key`), one client: `pgbench -n -c1 -t N` ROUNDS
+times per mode, the order rotating; the median is reported.  The CPU is that of pgbench's
+server backend (`/proc/PID/stat` utime + stime, sampled every 10 ms until it exits): what the
+application's own transactions cost the server.  The logical mode runs its capture daemon; its
+Python CPU and its database backend's (which decodes the WAL and inserts the events) are
+reported apart: they run off the application's path, but on the same machine.
+
+    .venv/bin/python bench/capture_cpu.py [--txns 4000] [--rounds 3] [--modes none,trigger,logical]
+                                          [--variant NAME=FILE.sql ...]
+
+`--variant NAME=FILE.sql` adds a trigger mode whose capture functions come from FILE.sql (an
+older 90_capture.sql, say): measured in the same run, interleaved, so that the comparison
+holds on a loaded machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pgcascade.localcluster import LocalCluster, new_cluster, pg_bindir
+
+PGBENCH = str(pg_bindir() / "pgbench")
+PGCASCADE = [sys.executable, "-m", "pgcascade"]
+TABLES = ["pgbench_accounts", "pgbench_branches", "pgbench_tellers", "pgbench_history"]
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_times(pid: int, children: bool) -> float:
+    """CPU seconds of a process (and of its reaped children, when asked)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    ut, st, cut, cst = (int(x) for x in fields[11:15])
+    return (ut + st + (cut + cst if children else 0)) / TICK
+
+
+def cli(ini: Path, *args: str) -> None:
+    r = subprocess.run([*PGCASCADE, str(ini), *args], capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        raise RuntimeError(f"pgcascade {' '.join(args)}: {r.stderr.strip()}")
+
+
+def prepare(
+    c: LocalCluster, work: Path, mode: str, variant_sql: str | None = None
+) -> subprocess.Popen | None:
+    """A fresh database `cpu_MODE` with pgbench tables and the mode's capture set up."""
+    db = f"cpu_{mode}"
+    with c.connect() as conn:
+        conn.execute(f'drop database if exists "{db}" with (force)')
+        conn.execute(f'create database "{db}"')
+    subprocess.run([PGBENCH, "-i", "-q", "-s", "1", c.connstr(db)], check=True, capture_output=True)
+    with c.connect(db) as conn:
+        conn.execute("alter table pgbench_history add column hid bigserial primary key")
+        conn.execute("vacuum analyze")
+    if mode == "none":
+        return None
+    ini = work / f"{mode}.ini"
+    ini.write_text(
+        f"[pgcascade]\njob_name = cap_{mode}\ndb = {c.connstr(db)}\nqueue_name = q\n"
+        f"logfile = {work}/{mode}.log\npidfile = {work}/{mode}.pid\n"
+    )
+    cli(ini, "create-root", "root", *(["--capture=logical"] if mode == "logical" else []))
+    cli(ini, "add-table", *TABLES)
+    if variant_sql is not None:
+        with c.connect(db) as conn:
+            conn.execute(variant_sql.encode())
+            conn.execute(
+                "select pgcascade.capture_enable(queue_name, table_name::regclass, key_columns, event_format)"
+                " from pgcascade.set_table"
+            )
+    if mode == "logical":
+        log = (work / f"{mode}.out").open("ab")
+        p = subprocess.Popen([*PGCASCADE, str(ini), "capture"], stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while len(capture_backend_pids(c, db)) < 2:
+            if time.monotonic() > deadline or p.poll() is not None:
+                raise RuntimeError(f"the capture daemon did not connect (see {work}/{mode}.out)")
+            time.sleep(0.1)
+        return p
+    return None
+
+
+def capture_backend_pids(c: LocalCluster, db: str) -> list[int]:
+    """The capture daemon's backends: the reader (decodes the WAL) and the writer (inserts)."""
+    with c.connect(db) as conn:
+        rows = conn.execute(
+            "select pid from pg_stat_activity where datname = current_database()"
+            " and application_name like 'pgcascade capture%'"
+        ).fetchall()
+    return [r[0] for r in rows]
+
+
+def wait_captured(c: LocalCluster, db: str, timeout: float = 120) -> None:
+    """Until the capture daemon has taken every change up to the current WAL position."""
+    with c.connect(db) as conn:
+        target = conn.execute("select pg_current_wal_lsn()").fetchone()[0]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            row = conn.execute(
+                "select confirmed_flush_lsn >= %s::pg_lsn from pg_replication_slots where database = current_database()",
+                (target,),
+            ).fetchone()
+            if row and row[0]:
+                return
+            time.sleep(0.05)
+    raise RuntimeError("capture did not catch up")
+
+
+def backend_cpu_of_run(c: LocalCluster, db: str, txns: int) -> float:
+    """Run pgbench and return the CPU seconds of its server backend (sampled every 10 ms until
+    it exits: at most 10 ms short)."""
+    p = subprocess.Popen(
+        [PGBENCH, "-n", "-c1", "-t", str(txns), c.connstr(db)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    # pgbench connects once to look at the tables, then for its client: follow every backend
+    seen: dict[int, float] = {}
+    with c.connect(db) as conn:
+        while p.poll() is None:
+            for (pid,) in conn.execute(
+                "select pid from pg_stat_activity where datname = current_database()"
+                " and application_name = 'pgbench'"
+            ).fetchall():
+                seen[pid] = max(seen.get(pid, 0.0), proc_times(pid, children=False))
+            for pid in seen:
+                seen[pid] = max(seen[pid], proc_times(pid, children=False))
+            time.sleep(0.01)
+    if p.wait() != 0:
+        raise RuntimeError(f"pgbench failed: {p.stderr.read().decode()}")
+    return sum(seen.values())
+
+
+def run_round(c: LocalCluster, mode: str, txns: int, daemon: subprocess.Popen | None) -> dict:
+    db = f"cpu_{mode}"
+    with c.connect() as conn:
+        conn.execute("checkpoint")
+    dpid = daemon.pid if daemon else None
+    bpids = capture_backend_pids(c, db) if daemon else []
+    d0 = proc_times(dpid, False) if dpid else 0.0
+    b0 = sum(proc_times(p, False) for p in bpids)
+    t0 = time.monotonic()
+    cpu = backend_cpu_of_run(c, db, txns)
+    if daemon:
+        wait_captured(c, db)
+    wall = time.monotonic() - t0
+    d1 = proc_times(dpid, False) if dpid else 0.0
+    b1 = sum(proc_times(p, False) for p in bpids)
+    return {
+        "server_us": cpu / txns * 1e6,
+        "daemon_us": (d1 - d0) / txns * 1e6,
+        "capture_backend_us": (b1 - b0) / txns * 1e6,
+        "wall_s": wall,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--txns", type=int, default=4000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--modes", default="none,trigger")
+    ap.add_argument(
+        "--variant", action="append", default=[], help="NAME=FILE.sql: trigger capture with these functions"
+    )
+    args = ap.parse_args()
+    variants = dict(v.split("=", 1) for v in args.variant)
+    modes = args.modes.split(",") + list(variants)
+    work = Path(tempfile.mkdtemp(prefix="pgcascade-cpu-"))
+    work.chmod(0o755)
+    c = new_cluster(
+        "cpu",
+        basedir=work / "cluster",
+        fast_unsafe=False,
+        settings={"shared_buffers": "1GB", "synchronous_commit": "on"},
+    )
+    daemons: dict[str, subprocess.Popen | None] = {}
+    results: dict[str, list[dict]] = {m: [] for m in modes}
+    try:
+        for m in modes:
+            daemons[m] = prepare(c, work, m, Path(variants[m]).read_text() if m in variants else None)
+        for rnd in range(args.rounds):
+            order = modes[rnd % len(modes) :] + modes[: rnd % len(modes)]
+            for m in order:
+                r = run_round(c, m, args.txns, daemons[m])
+                results[m].append(r)
+                print(f"round {rnd + 1} {m}: server {r['server_us']:.0f} us/txn, daemon {r['daemon_us']:.0f}")
+    finally:
+        for p in daemons.values():
+            if p is not None and p.poll() is None:
+                os.kill(p.pid, signal.SIGINT)
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.kill(p.pid, signal.SIGKILL)
+        c.destroy()
+    base = statistics.median(r["server_us"] for r in results[modes[0]])
+    print(
+        f"\n| mode | backend CPU per txn (median) | over {modes[0]} | capture daemon | its backend | runs |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
+    for m in modes:
+        med = statistics.median(r["server_us"] for r in results[m])
+        dmed = statistics.median(r["daemon_us"] for r in results[m])
+        bmed = statistics.median(r["capture_backend_us"] for r in results[m])
+        runs = ", ".join(f"{r['server_us']:.0f}" for r in results[m])
+        print(f"| {m} | {med:.0f} µs | {med - base:+.0f} µs | {dmed:.0f} µs | {bmed:.0f} µs | {runs} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
