@@ -235,12 +235,10 @@ def change_provider(
     busy = [t.table_name for t in subscriber.tables(sub, queue) if t.state not in (None, "ok")]
     if busy:
         raise UserError(f"tables are being copied ({', '.join(busy)}): change provider when they are ok")
-    loc = locations(sub, queue).get(new_provider)
-    if loc is None:
-        raise UserError(f"node {new_provider!r} is not a member of set {queue!r} (see members)")
+    loc = member_location(sub, queue, new_provider)
     if feeds_from(sub, queue, new_provider, node.node_name):
         raise UserError(f"{new_provider} feeds from {node.node_name}: that would make a loop")
-    with connect(loc[0]) as prov:
+    with connect(loc) as prov:
         pnode = nodes.get_node(prov, queue)
         if pnode is None or not pnode.role.has_queue:
             raise UserError(f"{new_provider} carries no queue (a leaf): it cannot be a provider")
@@ -394,7 +392,7 @@ def switchover(
 ) -> str:
     """The branch `new` takes the live root's place; the old root becomes its branch."""
     me = nodes.require_node(new, queue)
-    old_loc = _location(new, queue, old_name)
+    old_loc = member_location(new, queue, old_name)
     with connect(old_loc) as old:
         onode = nodes.require_node(old, queue)
 
@@ -442,7 +440,7 @@ def failover(
     me = nodes.require_node(new, queue)
     if not me.role.has_queue:
         raise UserError(f"{me.node_name} is a leaf: only a branch can become the root")
-    dead_loc = _location(new, queue, dead_name)
+    dead_loc = member_location(new, queue, dead_name)
     with reach(dead_loc) as c:
         if c is not None and (n := nodes.get_node(c, queue)) is not None and n.node_type == "root":
             raise UserError(f"{dead_name} answers and is the root: use takeover without --dead-root")
@@ -498,7 +496,7 @@ def take_subscribers(
     me = nodes.require_node(new, queue)
     if not me.role.has_queue:
         raise UserError(f"{me.node_name} is a leaf: it cannot feed other nodes")
-    old_loc = _location(new, queue, old_name)
+    old_loc = member_location(new, queue, old_name)
     report = []
     for m in survey(new, queue, skip=(old_name,) if dead else ()):
         if m.node is None or m.node.provider_node != old_name or m.name == me.node_name:
@@ -512,7 +510,8 @@ def take_subscribers(
     return "\n".join(report) or f"{old_name} fed no reachable node"
 
 
-def _location(conn: psycopg.Connection, queue: str, name: str) -> str:
+def member_location(conn: psycopg.Connection, queue: str, name: str) -> str:
+    """The location of a member of the set, or a one-line error naming the command that lists them."""
     loc = locations(conn, queue).get(name)
     if loc is None:
         raise UserError(f"node {name!r} is not a member of set {queue!r} (see members)")
@@ -535,7 +534,7 @@ def drop_node(conn: psycopg.Connection, queue: str, name: str) -> str:
     """Remove a node from the set: its registrations and watermark go (rotation is released
     at once), every node forgets its location, and the node itself - when it answers - stops
     being a node (its tables and rows stay)."""
-    loc = _location(conn, queue, name)
+    loc = member_location(conn, queue, name)
     members = survey(conn, queue)
     fed = [m.name for m in members if m.node is not None and m.node.provider_node == name]
     if fed:
@@ -593,7 +592,7 @@ def leave_set(conn: psycopg.Connection, queue: str) -> None:
 def set_paused(conn: psycopg.Connection, queue: str, name: str, paused: bool) -> str:
     """Pause or resume a node's worker, through the node's own database."""
     me = nodes.require_node(conn, queue)
-    loc = None if name == me.node_name else _location(conn, queue, name)
+    loc = None if name == me.node_name else member_location(conn, queue, name)
     with contextlib.ExitStack() as stack:
         target = conn if loc is None else stack.enter_context(connect(loc))
         n = nodes.require_node(target, queue)

@@ -378,7 +378,7 @@ def takeover(ctx: Context, old_node: str, dead_root: bool, dead_branch: bool, ti
             click.echo(cascade.take_subscribers(conn, ctx.queue(), old_node, True, say, timeout))
             return
         if me.provider_node == old_node and me.node_type == "branch":
-            with cascade.reach(cascade.locations(conn, ctx.queue()).get(old_node, ("",))[0]) as oc:
+            with cascade.reach(cascade.member_location(conn, ctx.queue(), old_node)) as oc:
                 old = nodes.get_node(oc, ctx.queue()) if oc is not None else None
             if old is None:
                 raise RuntimeFailure(f"{old_node} does not answer: use --dead-root or --dead-branch")
