@@ -660,3 +660,18 @@ def test_combined_partitions_with_the_combined_root_lost(cascade, make_db, priva
                 "select count(*), count(distinct (part, n)), count(*) filter (where op <> 'INSERT') from log_audit"
             ).fetchone()
         assert updates == 0 and rows == distinct, (name, rows, distinct, updates)
+
+
+def test_switchover_of_a_root_with_logical_capture_is_refused(cascade, make_db):
+    """A root that captures from WAL would decode its own replayed changes once a branch: the
+    switchover refuses it with the way out, and changes nothing."""
+    c = cascade
+    for name, cl in (("s1", "a"), ("s2", "b")):
+        c.node(name, make_db(cl))
+    c.cli("s1", "create-root", "s1", "--capture=logical")
+    c.create("s2", "branch", "s1")
+    r = c.cli("s2", "takeover", "s1", check=False)
+    assert r.returncode == 2 and "captures from WAL" in r.stderr and "--dead-root" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert c.scalar("s1", "select node_type from pgcascade.node") == "root"
+    assert c.scalar("s2", "select node_type from pgcascade.node") == "branch"

@@ -377,6 +377,18 @@ def _exists(conn: psycopg.Connection, table: str) -> bool:
     return conn.execute("select to_regclass(%s) is not null", (table,)).fetchone()[0]
 
 
+def refuse_logical_capture(conn: psycopg.Connection, queue: str, name: str, what: str) -> None:
+    """A root capturing from WAL would go on decoding its own replayed changes into its queue
+    once it is a branch: not supported yet (the old root must stop capturing first)."""
+    from pgcascade import walcapture
+
+    if walcapture.is_logical(conn, queue):
+        raise UserError(
+            f"{name} captures from WAL (--capture=logical): {what} of such a root is not supported yet;"
+            " use takeover --dead-root after stopping it, and recreate it as a branch"
+        )
+
+
 def applied_tick(conn: psycopg.Connection, queue: str) -> int:
     return (
         conn.execute("select last_tick from pgcascade.node where queue_name = %s", (queue,)).fetchone()[0]
@@ -395,6 +407,7 @@ def switchover(
     old_loc = member_location(new, queue, old_name)
     with connect(old_loc) as old:
         onode = nodes.require_node(old, queue)
+        refuse_logical_capture(old, queue, old_name, "a switchover")
 
         def close_behind() -> str | None:
             # a few ticks: under load the root ticks every few tens of ms, each a batch to apply
@@ -697,6 +710,7 @@ def resurrect(conn: psycopg.Connection, queue: str, location: str, lost_file: Pa
     me = nodes.require_node(conn, queue)
     if me.node_type != "root":
         raise UserError(f"{me.node_name} is the {me.node_type}: only an old root is resurrected")
+    refuse_logical_capture(conn, queue, me.node_name, "resurrect")
     roots = [m for m in survey(conn, queue, skip=(me.node_name,)) if m.node and m.node.node_type == "root"]
     if not roots:
         raise UserError(f"no other node of {queue} is the root: {me.node_name} still is")
