@@ -199,13 +199,14 @@ def has_tick(conn: psycopg.Connection, queue: str, tick: int) -> bool:
 
 def feeds_from(conn: psycopg.Connection, queue: str, name: str, ancestor: str) -> bool:
     """Whether node `name` (read through `conn`'s locations) is `ancestor` or below it."""
+    known = locations(conn, queue)
     seen = set()
     current = name
     while current and current not in seen:
         if current == ancestor:
             return True
         seen.add(current)
-        loc = locations(conn, queue).get(current)
+        loc = known.get(current)
         if loc is None:
             return False
         with reach(loc[0]) as c:
@@ -273,8 +274,9 @@ def change_provider(
                 "update pgcascade.node set provider_node = %s where queue_name = %s", (new_provider, queue)
             )
     old = node.provider_node
-    if old and old in locations(sub, queue):
-        with reach(locations(sub, queue)[old][0]) as oldc:
+    old_loc = locations(sub, queue).get(old) if old else None
+    if old_loc is not None:
+        with reach(old_loc[0]) as oldc:
             if oldc is not None:
                 forget_subscriber(oldc, queue, node.node_name, node.worker_name)
     return f"{node.node_name} feeds from {new_provider} at tick {tick} (was {old})"

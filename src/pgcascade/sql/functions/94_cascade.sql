@@ -12,16 +12,12 @@ create or replace function pgcascade.branch_tick(
 returns int8
 language plpgsql as $$
 declare
-    q pgcascade.queue;
+    q pgcascade.queue := pgcascade.find_queue(i_queue_name);
 begin
-    select * into q from pgcascade.queue where queue_name = i_queue_name for update;
-    if not found then
-        perform pgcascade.find_queue(i_queue_name);
-    end if;
     if i_event_seq > coalesce(pg_sequence_last_value(q.queue_event_seq), 0) then
         perform setval(q.queue_event_seq, i_event_seq);
     end if;
-    return pgcascade.make_tick(q, i_tick_id, i_tick_time, i_event_seq);
+    return pgcascade.ticker(i_queue_name, i_tick_id, i_tick_time, i_event_seq);
 end $$;
 
 -- pgcascade.set_subscriber_watermark(queue, node, tick): a direct subscriber reports the
