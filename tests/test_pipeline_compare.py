@@ -130,6 +130,56 @@ def test_values_compare_by_value_not_by_text(synced, spark):
     assert table_checksum(r.root, "comp") != table_checksum(r.leaf, "comp")  # the text did change
 
 
+TYPED = [
+    "create type mood as enum ('sad', 'ok', 'happy')",
+    "create table typed (id bigint primary key, s smallint, b bool, r real, f float8, u uuid, js json,"
+    " c char(6), vc varchar(10), x text, y text, m mood, arr int[], d date, iv interval, ts timestamp)",
+]
+TYPED_ROWS = (
+    "insert into typed select g * 10 - 500, g % 100, g % 2 = 0, g / 7.0, g / 3.0, md5(g::text)::uuid,"
+    " json_build_object('a', g, 'b', 'x'), 'c' || g % 50, 'v' || g, 'x' || g, null,"
+    " (array['sad', 'ok', 'happy'])[g % 3 + 1]::mood, array[g, g + 1], date '2026-01-01' + g,"
+    " g * interval '1 hour', timestamp '2026-01-01' + g * interval '1 minute' from generate_series(1, 2000) g"
+)
+
+
+def test_typed_hashes_see_every_change_and_integer_buckets_every_key(replica, spark):
+    """Column hashes by type (and text for enums, arrays, dates, intervals); an integer key's
+    buckets are key intervals from the lowest key of either side to the highest."""
+    r = replica
+    for db in (r.root, r.leaf):
+        with db.connect() as conn:
+            for s in TYPED:
+                conn.execute(s)
+    with r.root.connect() as conn:
+        conn.execute(TYPED_ROWS)
+    r.setup(["typed"], leaf_args=())
+    r.start_ticker()
+    r.start_worker()
+    r.wait_sync()
+    small = {"compare_segment_rows": 500, "compare_bucket_rows": 20}
+    assert counts(compare(r, spark, **small)) == {"public.typed": (0, 0, 0)}
+    leaf_exec(
+        r,
+        # two rows of one bucket swap a value: the bucket's xor must not cancel out
+        "update typed set x = case id when 100 then 'x61' else 'x60' end where id in (100, 110)",
+        "update typed set x = null, y = x where id = 200",  # a value moved to the next column
+        "update typed set m = case m when 'sad' then 'ok'::mood else 'sad' end where id in (300, 310)",  # enum
+        "update typed set js = '{\"b\": \"x\",  \"a\": 90}' where id = 400",  # same json value
+        "update typed set arr = array[1] where id = 600",  # array
+        "update typed set iv = iv - interval '1 day' + interval '24 hours' where id = 700",  # '24:00:00' is not '1 day'
+        "update typed set f = f + 1e-12 where id = 800",
+        "update typed set s = s + 1 where id = 900",
+        "update typed set b = not b where id = 1000",
+        "update typed set c = c || ' ' where id = 1100",  # char(6): the same value
+        "delete from typed where id = 1500",
+        "insert into typed (id) values (-10000), (1000000000000)",  # below the lowest, far above the highest
+    )
+    res = compare(r, spark, **small)["public.typed"]
+    assert (res.missing, res.extra, res.different) == (1, 2, 10), res
+    assert sorted(res.samples["extra"]) == [["-10000"], ["1000000000000"]]
+
+
 def test_repair_apply_makes_the_leaf_equal(synced, spark):
     r = synced
     leaf_exec(

@@ -1,20 +1,20 @@
 """Compare a subscriber's tables with its provider's, in Spark, under a sync point's snapshots.
 
-Two Spark jobs, each a DataFrame -> DataFrame function (the SQL they run is in segments.py):
+One Spark job, a DataFrame -> DataFrame function (the SQL it runs is in segments.py):
 
-    segment_checksums  one task per key range: per side, rows and xor of row hashes per
-                       key-hash bucket, computed by PostgreSQL in one scan of the range; the
-                       task keeps the buckets that differ
-    differing_rows     one task per differing range: (key, row hash) of the rows of its
-                       differing buckets only, from both sides; diffed by key (missing: provider
-                       only, extra: subscriber only, different: hashes differ); the provider's
-                       values of missing and different rows fetched by key, in chunks
+    compare_ranges   one task per key range, on both sides at once: rows and xor of row hashes
+                     per bucket, computed by PostgreSQL in one scan of the range; then, only if
+                     buckets differ, (key, row hash) of the rows of those buckets, diffed by key
+                     (missing: provider only, extra: subscriber only, different: hashes differ),
+                     and the provider's values of missing and different rows fetched by key
 
-A range is split by key hash in the same scan that checksums it (buckets of ~32 rows): one
-bisection step of many ways at no extra scan, so 0.1 % of rows differing spread over the
-whole table costs one checksum pass plus a read of ~3 % of the rows, where halving bisection
-would rescan every range log2(n) times.  The driver sees ranges, counts and bucket numbers,
-then streams only the differing rows (toLocalIterator) to the report and the repair writer.
+A range is split into buckets (~32 rows) in the same scan that checksums it: one bisection
+step of many ways at no extra scan, so 0.1 % of rows differing spread over the whole table
+costs one checksum pass plus reading the ~3 % of rows in differing buckets (through the key's
+index when the key is an integer), where halving bisection would rescan every range log2(n)
+times.  A task keeps its two connections and snapshots from the checksum to the fetch, and the
+driver sees one summary per range and the differing rows, streamed (toLocalIterator) to the
+report and the repair writer.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ log = logging.getLogger("pgcascade.pipeline")
 SIDES = ("prov", "sub")
 FETCH_CHUNK = 1000  # keys per fetch query
 SAMPLE_KEYS = 5  # differing keys shown per table and kind
+PROGRESS_EVERY = 2.0  # seconds between progress lines
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class Segment:
     tidx: int
     lo: list[str] | None
     hi: list[str] | None
-    buckets: int
+    buckets: sg.Buckets
 
 
 @dataclass(frozen=True)
@@ -74,8 +75,9 @@ def open_side(ctx: TaskContext, side: str) -> psycopg.Connection:
     conn = psycopg.connect(ctx.dsn(side), autocommit=True, connect_timeout=10)
     conn.execute("set application_name = 'pgcascade compare task'")
     conn.execute(sg.SESSION_SETTINGS)
-    # bucket checksums: hash aggregation (the planner misjudges the groups and sorts otherwise)
-    conn.execute("set enable_sort = off")
+    # bucket checksums: hash aggregation (the planner misjudges the groups and sorts otherwise);
+    # Spark runs the ranges in parallel, and a range's query is too short to repay JIT
+    conn.execute("set enable_sort = off; set max_parallel_workers_per_gather = 0; set jit = off")
     conn.autocommit = False
     conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
     conn.read_only = True
@@ -83,67 +85,40 @@ def open_side(ctx: TaskContext, side: str) -> psycopg.Connection:
     return conn
 
 
-def on_both_sides(ctx: TaskContext, fn: Callable[[psycopg.Connection, str], object]) -> dict[str, object]:
-    """fn(conn, side) on the provider and the subscriber at once (each waits on its server)."""
+class BothSides:
+    """A connection to each side inside its snapshot; both() runs a function on the two at once
+    (each waits on its own server)."""
 
-    def run(side: str) -> object:
-        with open_side(ctx, side) as conn:
-            try:
-                return fn(conn, side)
-            finally:
-                conn.rollback()
+    def __init__(self, ctx: TaskContext):
+        self.pool = ThreadPoolExecutor(2)
+        self.conns: dict[str, psycopg.Connection] = {}
+        try:
+            for side, f in [(side, self.pool.submit(open_side, ctx, side)) for side in SIDES]:
+                self.conns[side] = f.result()
+        except BaseException:
+            self.close()
+            raise
 
-    with ThreadPoolExecutor(2) as ex:
-        futures = {side: ex.submit(run, side) for side in SIDES}
+    def both(self, fn: Callable[[psycopg.Connection, str], object]) -> dict[str, object]:
+        futures = {side: self.pool.submit(fn, conn, side) for side, conn in self.conns.items()}
         return {side: f.result() for side, f in futures.items()}
 
+    def close(self) -> None:
+        for conn in self.conns.values():
+            conn.close()
+        self.pool.shutdown()
 
-# --- Spark jobs -------------------------------------------------------------------------------
+    def __enter__(self) -> BothSides:
+        return self
 
-CHECKSUM_SCHEMA = "sid int, tidx int, prows long, srows long, diff_buckets array<int>"
-ROWS_SCHEMA = "tidx int, kind string, key array<string>, vals array<string>"
-
-
-def _ids(batches) -> Iterator[int]:
-    for b in batches:
-        yield from b.column(0).to_pylist()
-
-
-def _one_task_per(spark, n: int):
-    return spark.range(0, n, 1, max(n, 1))
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
-def segment_checksums(spark, ctx: TaskContext, segs: list[Segment]):
-    """-> DataFrame(CHECKSUM_SCHEMA): per range, both sides' row counts and the differing buckets."""
+# --- the Spark job ----------------------------------------------------------------------------
 
-    def task(batches):
-        import pyarrow as pa
-
-        for i in _ids(batches):
-            seg = segs[i]
-            spec = ctx.specs[seg.tidx]
-
-            def sums(conn, side, seg=seg, spec=spec):
-                q = sg.bucket_checksums_sql(spec, side, seg.lo, seg.hi, seg.buckets)
-                return {b: (n, s) for b, n, s in conn.execute(q)}
-
-            res = on_both_sides(ctx, sums)
-            p, s = res["prov"], res["sub"]
-            diff = sorted(b for b in p.keys() | s.keys() if p.get(b) != s.get(b))
-            yield pa.RecordBatch.from_pylist(
-                [
-                    {
-                        "sid": seg.sid,
-                        "tidx": seg.tidx,
-                        "prows": sum(n for n, _ in p.values()),
-                        "srows": sum(n for n, _ in s.values()),
-                        "diff_buckets": diff,
-                    }
-                ],
-                schema=_arrow_schema(CHECKSUM_SCHEMA),
-            )
-
-    return _one_task_per(spark, len(segs)).mapInArrow(task, CHECKSUM_SCHEMA)
+# one summary row per range (kind null: the range's row counts), then its differing rows
+RESULT_SCHEMA = "tidx int, prows long, srows long, kind string, key array<string>, vals array<string>"
 
 
 def diff_keys(prov: dict, sub: dict) -> Iterator[tuple[tuple, str]]:
@@ -158,49 +133,62 @@ def diff_keys(prov: dict, sub: dict) -> Iterator[tuple[tuple, str]]:
         yield k, "extra"
 
 
-def differing_rows(spark, ctx: TaskContext, work: list[tuple[Segment, list[int]]]):
-    """-> DataFrame(ROWS_SCHEMA): one task per differing range lists (key, row hash) of the rows
-    in its differing buckets on both sides, diffs them by key, and fetches the provider's values
-    (as text) of the missing and different rows; extra rows need only their key.  A task holds
-    at most its range's rows of the differing buckets (~bucket_rows each)."""
+def compare_range(ctx: TaskContext, seg: Segment) -> Iterator[dict]:
+    """The summary of one key range, then its differing rows: extra ones by key, missing and
+    different ones with the provider's values (as text).  Holds at most the (key, hash) of the
+    range's differing buckets (~bucket_rows each)."""
+    spec = ctx.specs[seg.tidx]
+    with BothSides(ctx) as sides:
+
+        def sums(conn, side):
+            q = sg.bucket_checksums_sql(spec, side, seg.lo, seg.hi, seg.buckets)
+            return {b: (n, s) for b, n, s in conn.execute(q)}
+
+        res = sides.both(sums)
+        p, s = res["prov"], res["sub"]
+        yield {
+            "tidx": seg.tidx,
+            "prows": sum(n for n, _ in p.values()),
+            "srows": sum(n for n, _ in s.values()),
+        }
+        which = sorted(b for b in p.keys() | s.keys() if p.get(b) != s.get(b))
+        del p, s, res
+        if not which:
+            return
+
+        def hashes(conn, side):
+            q = sg.row_hashes_sql(spec, side, seg.lo, seg.hi, seg.buckets)
+            return {tuple(k): h for k, h in conn.execute(q, (which,))}
+
+        res = sides.both(hashes)
+        diffs = dict(diff_keys(res["prov"], res["sub"]))
+        del res
+        for k, v in diffs.items():
+            if v == "extra":
+                yield {"tidx": seg.tidx, "kind": "extra", "key": list(k)}
+        wanted = [k for k, v in diffs.items() if v != "extra"]
+        prov = sides.conns["prov"]
+        for start in range(0, len(wanted), FETCH_CHUNK):
+            chunk = wanted[start : start + FETCH_CHUNK]
+            params = [list(col) for col in zip(*chunk, strict=True)]
+            for k, v in prov.execute(sg.fetch_rows_sql(spec, "prov"), params):
+                yield {"tidx": seg.tidx, "kind": diffs[tuple(k)], "key": k, "vals": v}
+
+
+def compare_ranges(spark, ctx: TaskContext, segs: list[Segment]):
+    """-> DataFrame(RESULT_SCHEMA): one task per key range (compare_range)."""
 
     def task(batches):
         import pyarrow as pa
 
-        schema = _arrow_schema(ROWS_SCHEMA)
-        for i in _ids(batches):
-            seg, which = work[i]
-            spec = ctx.specs[seg.tidx]
+        schema = _arrow_schema(RESULT_SCHEMA)
+        for b in batches:
+            for i in b.column(0).to_pylist():
+                rows = compare_range(ctx, segs[i])
+                while chunk := list(itertools.islice(rows, FETCH_CHUNK)):
+                    yield pa.RecordBatch.from_pylist(chunk, schema=schema)
 
-            def hashes(conn, side, seg=seg, spec=spec, which=which):
-                q = sg.row_hashes_sql(spec, side, seg.lo, seg.hi, seg.buckets, which)
-                return {tuple(k): h for k, h in conn.execute(q)}
-
-            res = on_both_sides(ctx, hashes)
-            diffs = dict(diff_keys(res["prov"], res["sub"]))
-            del res
-            extra = [
-                {"tidx": seg.tidx, "kind": "extra", "key": list(k), "vals": None}
-                for k, v in diffs.items()
-                if v == "extra"
-            ]
-            if extra:
-                yield pa.RecordBatch.from_pylist(extra, schema=schema)
-            wanted = [k for k, v in diffs.items() if v != "extra"]
-            if not wanted:
-                continue
-            with open_side(ctx, "prov") as conn:
-                for start in range(0, len(wanted), FETCH_CHUNK):
-                    chunk = wanted[start : start + FETCH_CHUNK]
-                    params = [list(col) for col in zip(*chunk, strict=True)]
-                    got = conn.execute(sg.fetch_rows_sql(spec, "prov"), params).fetchall()
-                    yield pa.RecordBatch.from_pylist(
-                        [{"tidx": seg.tidx, "kind": diffs[tuple(k)], "key": k, "vals": v} for k, v in got],
-                        schema=schema,
-                    )
-                conn.rollback()
-
-    return _one_task_per(spark, len(work)).mapInArrow(task, ROWS_SCHEMA)
+    return spark.range(0, len(segs), 1, max(len(segs), 1)).mapInArrow(task, RESULT_SCHEMA)
 
 
 def _arrow_schema(ddl: str):
@@ -364,7 +352,8 @@ class Comparison:
     def plan(self) -> list[Segment]:
         st = self.settings
         segs: list[Segment] = []
-        with open_side(self.ctx, "prov") as prov:
+        with BothSides(self.ctx) as sides:
+            prov = sides.conns["prov"]
             for spec in self.ctx.specs:
                 cuts = sg.split_points(prov, spec, st.segment_rows, st.max_segments)
                 bounds = [None, *cuts, None]
@@ -376,9 +365,10 @@ class Comparison:
                         ).fetchone()[0],
                         1,
                     )
+                count = sg.buckets_for(per, st.bucket_rows)
+                ends = integer_key_ends(sides, spec)
                 for lo, hi in itertools.pairwise(bounds):
-                    segs.append(Segment(len(segs), spec.index, lo, hi, sg.buckets_for(per, st.bucket_rows)))
-            prov.rollback()
+                    segs.append(Segment(len(segs), spec.index, lo, hi, range_buckets(count, lo, hi, ends)))
         return segs
 
     def run(self, spark, on_row: Callable[[TableResult, dict], None] | None = None) -> list[TableResult]:
@@ -386,26 +376,58 @@ class Comparison:
         results = [TableResult(spec) for spec in self.ctx.specs]
         segs = self.plan()
         self.progress.step(f"checksums of {len(segs)} key range(s) of {len(results)} table(s) on both sides")
-        sums = segment_checksums(spark, self.ctx, segs).collect()
-        work = []
-        for r in sums:
-            res = results[r["tidx"]]
-            res.rows += r["prows"]
-            res.sub_rows += r["srows"]
-            if r["diff_buckets"]:
-                work.append((segs[r["sid"]], list(r["diff_buckets"])))
-        nb = sum(len(w[1]) for w in work)
-        self.progress.step(f"{len(work)} range(s) differ ({nb} bucket(s)): diffing their rows")
-        if work:
-            rows = differing_rows(spark, self.ctx, work)
-            for row in rows.toLocalIterator():
-                res = results[row["tidx"]]
-                kind = row["kind"]
-                setattr(res, kind, getattr(res, kind) + 1)
-                samples = res.samples.setdefault(kind, [])
-                if len(samples) < SAMPLE_KEYS:
-                    samples.append(list(row["key"]))
-                if on_row is not None:
-                    on_row(res, row.asDict())
+        done, last = 0, time.monotonic()
+        for row in compare_ranges(spark, self.ctx, segs).toLocalIterator(prefetchPartitions=True):
+            res = results[row["tidx"]]
+            kind = row["kind"]
+            if kind is None:  # a range's summary
+                res.rows += row["prows"]
+                res.sub_rows += row["srows"]
+                done += 1
+                if time.monotonic() - last >= PROGRESS_EVERY or done == len(segs):
+                    last = time.monotonic()
+                    self.progress.step(
+                        f"{done}/{len(segs)} range(s) compared, {self.differing(results)} row(s) differ"
+                    )
+                continue
+            setattr(res, kind, getattr(res, kind) + 1)
+            samples = res.samples.setdefault(kind, [])
+            if len(samples) < SAMPLE_KEYS:
+                samples.append(list(row["key"]))
+            if on_row is not None:
+                on_row(res, row.asDict())
         self.progress.step("done")
         return results
+
+    @staticmethod
+    def differing(results: list[TableResult]) -> int:
+        return sum(r.missing + r.extra + r.different for r in results)
+
+
+def integer_key_ends(sides: BothSides, spec: sg.TableSpec) -> tuple[int, int] | None:
+    """The lowest and highest key of either side, for an integer key (its index answers)."""
+    if not sg.integer_key(spec):
+        return None
+    k = sql.Identifier(spec.keys[0])
+    got = sides.both(
+        lambda conn, side: conn.execute(
+            sql.SQL("select min({})::int8, max({})::int8 from {}").format(k, k, spec.relation(side))
+        ).fetchone()
+    )
+    lows = [lo for lo, _ in got.values() if lo is not None]
+    highs = [hi for _, hi in got.values() if hi is not None]
+    return (min(lows), max(highs) + 1) if lows else (0, 1)
+
+
+def range_buckets(
+    count: int, lo: list[str] | None, hi: list[str] | None, ends: tuple[int, int] | None
+) -> sg.Buckets:
+    """count buckets of consecutive keys over [lo, hi) when the key is an integer (an open end
+    is the lowest or highest key of either side), else by key hash."""
+    if ends is None:
+        return sg.Buckets(count)
+    base = int(lo[0]) if lo is not None else ends[0]
+    end = int(hi[0]) if hi is not None else max(ends[1], base + 1)
+    if end - base >= 1 << 62:  # key offsets would overflow int8 arithmetic
+        return sg.Buckets(count)
+    return sg.Buckets(count, base, max(1, -(-(end - base) // count)))

@@ -2,15 +2,20 @@
 
 Everything here runs inside PostgreSQL, next to the data, on both sides with the same text:
 
-- A row's canonical text is `row(e1, e2, ...)::text` where each e is the column normalised so
-  that equal values print alike (numeric through trim_scale: 1.0 = 1.00; json through jsonb).
-  Record output quotes and escapes each field and prints NULL as nothing and '' as "", so the
-  text is injective: NULL vs '', ('a,b', c) vs ('a', 'b,c') all differ.  The sessions fix
-  DateStyle, TimeZone, IntervalStyle, extra_float_digits and bytea_output (SESSION_SETTINGS).
-- A row's hash is hashtextextended(canonical text, 0): 64 bits.  A range's checksum is the
-  count and the xor of those hashes, per bucket of the key's own hash: one scan of a range gives
-  both the range's checksum and its split into `buckets` sub-ranges, so a differing range is
-  narrowed to its differing buckets without another round trip.
+- A row's hash is a 64-bit mix of its columns' hashes.  Each column is hashed by its type's own
+  extended hash function (the one hash indexes use, so equal values hash alike: 1.0 = 1.00,
+  'a ' = 'a' in char(n), jsonb key order), with the column's position as the seed, so a value
+  moved to another column changes the hash; NULL hashes to a per-column constant, never like ''.
+  Types without a portable hash function (enums hash their OIDs, which differ between
+  databases; arrays, dates, intervals, bytea, domains ...) are hashed through their canonical
+  text.  The sessions fix DateStyle, TimeZone, IntervalStyle, extra_float_digits and
+  bytea_output (SESSION_SETTINGS) so that text is the same on both sides.  Typed hashing costs
+  about half of printing the row as text (pgbench_accounts: 64 vs 118 ms per 250k rows).
+- A range's checksum is the count and the xor of its row hashes, per bucket: one scan of a
+  range gives both the range's checksum and its split into buckets, so a differing range is
+  narrowed to its differing buckets without another scan.  An integer key's buckets are
+  consecutive key intervals (the differing ones are then read back through the key's index);
+  other keys are bucketed by a hash of the key.
 - A key is carried as an array of the key columns' normalised texts; range bounds are such
   arrays, cast back to the key's types for row comparisons that use the primary key's index.
 """
@@ -94,23 +99,81 @@ def key_array(spec: TableSpec) -> sql.Composable:
     )
 
 
+INTEGER_TYPES = ("smallint", "integer", "bigint")
+
+# type (format_type without its modifier) -> its hash function applied to a column of it
+TYPED_HASHES = {
+    "smallint": "hashint8extended({}::int8, {})",
+    "integer": "hashint8extended({}::int8, {})",
+    "bigint": "hashint8extended({}::int8, {})",
+    "numeric": "hash_numeric_extended({}::numeric, {})",
+    "text": 'hashtextextended({}::text collate "C", {})',
+    "character varying": 'hashtextextended({}::text collate "C", {})',
+    "character": 'hashbpcharextended({}::bpchar collate "C", {})',
+    "uuid": "uuid_hash_extended({}::uuid, {})",
+    "jsonb": "jsonb_hash_extended({}::jsonb, {})",
+    "json": "jsonb_hash_extended({}::jsonb, {})",
+    "boolean": "hashint4extended({}::int4, {})",
+    "real": "hashfloat8extended({}::float8, {})",
+    "double precision": "hashfloat8extended({}::float8, {})",
+    "timestamp without time zone": "timestamp_hash_extended({}::timestamp, {})",
+    "timestamp with time zone": "timestamp_hash_extended({}::timestamptz at time zone 'UTC', {})",
+}
+
+
+def _base_type(type_: str) -> str:
+    """format_type's text without the modifier: 'character(84)' -> 'character',
+    'timestamp(3) with time zone' -> 'timestamp with time zone'."""
+    head, paren, rest = type_.partition("(")
+    return head if not paren else (head + rest.partition(")")[2]).rstrip()
+
+
+def column_hash(column: str, type_: str, seed: int) -> sql.Composable:
+    """One column's 64-bit hash, seeded by its position; NULL -> a constant of that position."""
+    template = TYPED_HASHES.get(_base_type(type_))
+    col = sql.Identifier(column)
+    if template is None:  # no portable hash function: its canonical text
+        template = 'hashtextextended({}::text collate "C", {})'
+        col = normalised(column, type_)
+    return sql.SQL("coalesce({}, {})").format(
+        sql.SQL(template).format(col, sql.Literal(seed)), sql.Literal(-0x5BD1E995 * seed)
+    )
+
+
 def row_hash(spec: TableSpec) -> sql.Composable:
-    fields = sql.SQL(", ").join(normalised(c, t) for c, t in zip(spec.columns, spec.types, strict=True))
-    return sql.SQL("hashtextextended(row({})::text, 0)").format(fields)
+    """The row's hash: its columns' hashes xor-ed, then mixed once more, so that the xor of a
+    bucket's row hashes does not cancel when values are swapped between two rows."""
+    cols = sql.SQL(" # ").join(
+        column_hash(c, t, i + 1) for i, (c, t) in enumerate(zip(spec.columns, spec.types, strict=True))
+    )
+    return sql.SQL("hashint8extended({}, 0)").format(cols)
 
 
-def bucket(spec: TableSpec, buckets: int) -> sql.Composable:
-    """The key's bucket: a hash of the key's normalised text (one column: its text alone, cheaper)."""
-    if len(spec.keys) == 1 and spec.key_types[0] in ("smallint", "integer", "bigint"):
-        # an integer key: its own hash (cast to int8, so int4 and int8 sides agree), no text
-        return sql.SQL("(hashint8extended({}::int8, 7) & {})").format(
-            sql.Identifier(spec.keys[0]), sql.Literal(buckets - 1)
+def integer_key(spec: TableSpec) -> bool:
+    return len(spec.keys) == 1 and spec.key_types[0] in INTEGER_TYPES
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """How a range is split into buckets: consecutive key intervals of `width` from `base` (an
+    integer key), or `count` buckets by key hash (width None)."""
+
+    count: int
+    base: int = 0
+    width: int | None = None
+
+
+def bucket(spec: TableSpec, b: Buckets) -> sql.Composable:
+    """The bucket number of a row's key."""
+    if b.width is not None:  # every key of the range is >= base: the division floors
+        return sql.SQL("(({}::int8 - {}) / {})").format(
+            sql.Identifier(spec.keys[0]), sql.Literal(b.base), sql.Literal(b.width)
         )
     if len(spec.keys) == 1:
-        key = sql.SQL("{}::text").format(normalised(spec.keys[0], spec.key_types[0]))
+        key = sql.SQL('{}::text collate "C"').format(normalised(spec.keys[0], spec.key_types[0]))
     else:
         key = sql.SQL("{}::text").format(key_array(spec))
-    return sql.SQL("(hashtextextended({}, 7) & {})").format(key, sql.Literal(buckets - 1))
+    return sql.SQL("(hashtextextended({}, 7) & {})").format(key, sql.Literal(b.count - 1))
 
 
 def _key_tuple(spec: TableSpec) -> sql.Composable:
@@ -136,23 +199,29 @@ def key_range(spec: TableSpec, lo: list[str] | None, hi: list[str] | None) -> sq
     return sql.SQL(" and ").join(parts) if parts else sql.SQL("true")
 
 
-def bucket_checksums_sql(spec: TableSpec, side: str, lo, hi, buckets: int) -> sql.Composable:
+def bucket_checksums_sql(spec: TableSpec, side: str, lo, hi, b: Buckets) -> sql.Composable:
     """(bucket, rows, xor of row hashes) of one key range.  xor, not sum: int8 aggregation is
     cheaper than numeric, and keys are unique, so no two equal rows cancel out."""
     return sql.SQL(
         "select b, count(*), bit_xor(h) from (select {} as b, {} as h from {} where {}) s group by b"
-    ).format(bucket(spec, buckets), row_hash(spec), spec.relation(side), key_range(spec, lo, hi))
+    ).format(bucket(spec, b), row_hash(spec), spec.relation(side), key_range(spec, lo, hi))
 
 
-def row_hashes_sql(spec: TableSpec, side: str, lo, hi, buckets: int, which: list[int]) -> sql.Composable:
-    """(key, row hash) of the rows of a key range that fall in the buckets `which`."""
-    return sql.SQL("select {}, {} from {} where {} and {} = any({})").format(
-        key_array(spec),
-        row_hash(spec),
-        spec.relation(side),
-        key_range(spec, lo, hi),
-        bucket(spec, buckets),
-        sql.Literal(which),
+def row_hashes_sql(spec: TableSpec, side: str, lo, hi, b: Buckets) -> sql.Composable:
+    """(key, row hash) of the rows of a key range in the buckets given as %s (an int8 array).
+    Integer keys: one index range scan per bucket; hashed keys: the range again, filtered."""
+    rel, rng = spec.relation(side), key_range(spec, lo, hi)
+    if b.width is not None:
+        k = sql.Identifier(spec.keys[0])
+        return sql.SQL(
+            "select {}, {} from unnest(%s::int8[]) w(pgcascade_bucket) join {} t"
+            " on {} >= {} + pgcascade_bucket * {} and {} < {} + (pgcascade_bucket + 1) * {} where {}"
+        ).format(
+            key_array(spec), row_hash(spec), rel, k, sql.Literal(b.base), sql.Literal(b.width),
+            k, sql.Literal(b.base), sql.Literal(b.width), rng,
+        )  # fmt: skip
+    return sql.SQL("select {}, {} from {} where {} and {} in (select unnest(%s::int8[]))").format(
+        key_array(spec), row_hash(spec), rel, rng, bucket(spec, b)
     )
 
 
