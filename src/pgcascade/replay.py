@@ -393,9 +393,13 @@ class Worker(Daemon):
     def stop_copies(self) -> None:
         """SIGTERM to every copy process of this node, ours or an earlier worker's (Londiste's -s/-k rule)."""
         pids = {p.pid for p in self.copies.values() if p.poll() is None}
-        if self.sub is not None and not self.sub.closed:
-            with contextlib.suppress(psycopg.Error):
-                pids |= {t.copy_pid for t in subscriber.tables(self.sub, self.queue) if t.copy_pid}
+        # a connection of its own: this also runs in the SIGTERM handler, which may have
+        # interrupted the main connection's query (its lock is held: using it would hang)
+        with (
+            contextlib.suppress(psycopg.Error),
+            psycopg.connect(self.cfg.db, autocommit=True, connect_timeout=5) as conn,
+        ):
+            pids |= {t.copy_pid for t in subscriber.tables(conn, self.queue) if t.copy_pid}
         for pid in pids:
             if pid_alive(pid) and is_copy_process(pid):
                 log.info("stopping copy process %d", pid)

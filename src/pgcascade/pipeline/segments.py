@@ -28,13 +28,11 @@ import psycopg
 from psycopg import sql
 
 from pgcascade import catalog
+from pgcascade.copystream import OUTPUT_SETTINGS
 from pgcascade.errors import UserError
 
 # the same text for the same value on both sides, whatever each server's defaults
-SESSION_SETTINGS = (
-    "set datestyle = 'ISO, YMD'; set timezone = 'UTC'; set intervalstyle = 'postgres';"
-    " set extra_float_digits = 3; set bytea_output = 'hex'; set lc_monetary = 'C'"
-)
+SESSION_SETTINGS = OUTPUT_SETTINGS
 
 
 @dataclass(frozen=True)
