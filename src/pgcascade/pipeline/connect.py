@@ -86,7 +86,25 @@ def start(cfg: JobConfig, timeout: float = 60.0) -> str:
                 f"Spark Connect server did not listen on port {p} within {timeout:.0f} s: see {d}"
             )
         time.sleep(0.2)
+    warm_up(url)
     return url
+
+
+def warm_up(url: str) -> None:
+    """One small job in the shared session, so that its Python workers exist with pgcascade,
+    psycopg and pyarrow imported: the first command does not pay their start-up (2-5 s)."""
+    from pgcascade.pipeline.session import remote_session
+
+    def task(batches):
+        import psycopg  # noqa: F401
+
+        import pgcascade.pipeline.compare
+        import pgcascade.pipeline.copy  # noqa: F401
+
+        yield from batches
+
+    n = 2 * (os.cpu_count() or 1)  # at least one task per local core, each its own worker
+    remote_session(url, "pgcascade warm-up").range(0, n, 1, n).mapInArrow(task, "id long").collect()
 
 
 def stop(cfg: JobConfig) -> None:

@@ -95,6 +95,27 @@ def local_environment() -> None:
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 
 
+def remote_session(remote: str, app_name: str = "pgcascade"):
+    """The shared session of the Spark Connect server at remote (sc://host:port)."""
+    from pyspark.sql import SparkSession
+
+    log.debug("attaching to Spark Connect at %s", remote)
+    reachable(remote)
+    # every command attaches to one shared server session: its Python workers (with psycopg,
+    # pyarrow and pgcascade imported) are reused, where a new session would start its own (~2 s)
+    shared = f"{remote.rstrip('/')}/;session_id={uuid.uuid5(uuid.NAMESPACE_URL, 'pgcascade:' + remote)}"
+    try:
+        return SparkSession.builder.remote(shared).appName(app_name).getOrCreate()
+    except Exception:
+        log.debug("shared Spark Connect session unavailable (expired?): a session of our own")
+    try:
+        return SparkSession.builder.remote(remote).appName(app_name).getOrCreate()
+    except Exception as e:
+        raise RuntimeFailure(
+            f"cannot attach to Spark Connect at {remote}: {str(e).splitlines()[0]}"
+        ) from None
+
+
 def build_session(cfg: JobConfig, app_name: str = "pgcascade"):
     """A SparkSession for this job: Spark Connect when spark_remote is set, else a classic one."""
     try:
@@ -103,21 +124,7 @@ def build_session(cfg: JobConfig, app_name: str = "pgcascade"):
         raise ConfigError("pyspark is not installed: pip install 'pgcascade' with its dependencies") from None
     remote = cfg.raw.get("spark_remote", "").strip()
     if remote:
-        log.debug("attaching to Spark Connect at %s", remote)
-        reachable(remote)
-        # every command attaches to one shared server session: its Python workers (with psycopg,
-        # pyarrow and pgcascade imported) are reused, where a new session would start its own (~2 s)
-        shared = f"{remote.rstrip('/')}/;session_id={uuid.uuid5(uuid.NAMESPACE_URL, 'pgcascade:' + remote)}"
-        try:
-            return SparkSession.builder.remote(shared).appName(app_name).getOrCreate()
-        except Exception:
-            log.debug("shared Spark Connect session unavailable (expired?): a session of our own")
-        try:
-            return SparkSession.builder.remote(remote).appName(app_name).getOrCreate()
-        except Exception as e:
-            raise RuntimeFailure(
-                f"cannot attach to Spark Connect at {remote}: {str(e).splitlines()[0]}"
-            ) from None
+        return remote_session(remote, app_name)
     local_environment()
     scratch = _scratch_dir()
     log4j = Path(scratch) / "log4j2.properties"
