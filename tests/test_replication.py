@@ -14,6 +14,7 @@ import signal
 import subprocess
 import time
 
+import psycopg
 import pytest
 
 from pgcascade.localcluster import pg_bindir, wait_until
@@ -112,6 +113,39 @@ def test_worker_sigkilled_20_times_loses_and_repeats_nothing(bench_replica):
     r.wait_sync()
     r.assert_equal(*PGBENCH_TABLES)
     assert_applied_once(r)
+
+
+def test_capture_follows_rotation_and_disable_insert(bench_replica):
+    """The capture triggers write into the queue's current partition (built into them): every
+    rotation under load regenerates them, and nothing is lost or applied twice; disable_insert
+    makes them refuse changes at once, and they accept them again when it is cleared."""
+    r = bench_replica
+    with r.root.connect() as conn:
+        conn.execute("select pgcascade.set_queue_config(%s, 'rotation_period', '0')", (r.queue,))
+    r.start_ticker()  # maint_period 1 s: a rotation whenever every registration has passed a slot
+    r.start_worker()
+    r.wait_sync()
+    load = pgbench(r.root, "-c", "2", "-j", "2", "-T", "12", "-R", "200")
+    slots = set()
+    while load.poll() is None:
+        slots.add(
+            r.root.scalar("select queue_cur_table from pgcascade.queue where queue_name = %s", (r.queue,))
+        )
+        time.sleep(0.2)
+    assert load.returncode == 0, load.stderr.read()
+    assert len(slots) == 3, f"the queue did not rotate through its 3 partitions: {slots}"
+    r.wait_sync()
+    r.assert_equal(*PGBENCH_TABLES)
+    assert_applied_once(r)
+    with r.root.connect() as conn:
+        conn.execute("select pgcascade.set_queue_config(%s, 'disable_insert', 'true')", (r.queue,))
+        with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState, match="does not accept events"):
+            conn.execute("update pgbench_branches set bbalance = bbalance + 1 where bid = 1")
+        conn.execute("update pgbench_branches set bbalance = 0 where bid = -1")  # no row: passes
+        conn.execute("select pgcascade.set_queue_config(%s, 'disable_insert', 'false')", (r.queue,))
+        conn.execute("update pgbench_branches set bbalance = bbalance + 7 where bid = 1")
+    r.wait_sync()
+    r.assert_equal(*PGBENCH_TABLES)
 
 
 @pytest.mark.parametrize("state", ["in-copy", "catching-up", "wanna-sync", "do-sync"])

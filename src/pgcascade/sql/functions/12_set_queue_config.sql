@@ -16,7 +16,9 @@ begin
         when 'ticker_paused' then update pgcascade.queue set queue_ticker_paused = i_value::bool where queue_id = q.queue_id;
         when 'rotation_period' then update pgcascade.queue set queue_rotation_period = i_value::interval where queue_id = q.queue_id;
         when 'external_ticker' then update pgcascade.queue set queue_external_ticker = i_value::bool where queue_id = q.queue_id;
-        when 'disable_insert' then update pgcascade.queue set queue_disable_insert = i_value::bool where queue_id = q.queue_id;
+        when 'disable_insert' then
+            update pgcascade.queue set queue_disable_insert = i_value::bool where queue_id = q.queue_id;
+            perform pgcascade.capture_refresh(i_queue_name);  -- the capture triggers follow at once
         when 'ntables' then
             if i_value::int4 < q.queue_ntables then
                 raise exception 'ntables can only grow (queue "%" has %)', i_queue_name, q.queue_ntables using errcode = '22023';

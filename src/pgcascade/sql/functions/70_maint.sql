@@ -52,6 +52,7 @@ begin
     end if;
     execute format('truncate pgcascade.%I', part);
     update pgcascade.queue set queue_cur_table = v_next, queue_switch_time = now() where queue_id = q.queue_id;
+    perform pgcascade.capture_refresh(i_queue_name);  -- the capture triggers write into the new partition
     return 1;
 end $$;
 
