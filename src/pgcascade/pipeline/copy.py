@@ -26,6 +26,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import os
 import threading
 import time
 
@@ -148,6 +149,13 @@ def copy_range(ctx: CopyContext, r: RangeTask) -> tuple[int, int]:
     started = time.monotonic()
     with psycopg.connect(ctx.sub_dsn, connect_timeout=10) as sub:
         sub.execute(APPLY_SETTINGS)
+        done = sub.execute(
+            "select done from pgcascade.copy_range where queue_name = %s and table_name = %s and range_no = %s"
+            " for update",
+            (ctx.queue, ctx.table, r.range_no),
+        ).fetchone()[0]
+        if done:  # a retried task: this range committed in its first try
+            return 0, 0
         # no DELETE of the range first: the COPY and the done mark commit together, so a range
         # not marked done holds none of our rows (and a DELETE on the unindexed table would
         # scan all of it, per range)
@@ -161,23 +169,40 @@ def copy_range(ctx: CopyContext, r: RangeTask) -> tuple[int, int]:
     return rows, moved
 
 
-def copy_ranges(spark, ctx: CopyContext, ranges: list[RangeTask]):
-    """-> DataFrame(range_no, rows, bytes): one Spark task per range, copying it."""
+def copy_ranges(spark, ctx: CopyContext, ranges: list[RangeTask], streams: int):
+    """-> DataFrame(range_no, rows, bytes): `streams` Spark tasks, task i copying ranges i,
+    i + streams, ... one after the other (each range in its own transaction)."""
+    n = max(1, min(streams, len(ranges)))
 
     def task(batches):
         import pyarrow as pa
 
+        schema = pa.schema([("range_no", pa.int32()), ("rows", pa.int64()), ("bytes", pa.int64())])
         for b in batches:
             for i in b.column(0).to_pylist():
-                rows, moved = copy_range(ctx, ranges[i])
-                yield pa.RecordBatch.from_pylist(
-                    [{"range_no": ranges[i].range_no, "rows": rows, "bytes": moved}],
-                    schema=pa.schema([("range_no", pa.int32()), ("rows", pa.int64()), ("bytes", pa.int64())]),
-                )
+                for r in ranges[i::n]:
+                    rows, moved = copy_range(ctx, r)
+                    yield pa.RecordBatch.from_pylist(
+                        [{"range_no": r.range_no, "rows": rows, "bytes": moved}], schema=schema
+                    )
 
-    return spark.range(0, len(ranges), 1, max(len(ranges), 1)).mapInArrow(
-        task, "range_no int, rows long, bytes long"
-    )
+    return spark.range(0, n, 1, n).mapInArrow(task, "range_no int, rows long, bytes long")
+
+
+def copy_streams(cfg: JobConfig) -> int:
+    """spark_copy_streams: ranges copied at once.  Default: half the cores of this host, at
+    least one.  A COPY stream keeps about two cores busy (the provider's COPY TO and psql, the
+    subscriber's COPY FROM), and the databases' cores, not Spark's, are what streams share."""
+    raw = cfg.raw.get("spark_copy_streams", "").strip()
+    if not raw:
+        return max(1, (os.cpu_count() or 2) // 2)
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise UserError(f"spark_copy_streams = {raw!r}: must be a number of streams, at least 1")
+    return n
 
 
 def progress(conn: psycopg.Connection, queue: str, table: str | None = None) -> list[dict]:
@@ -335,7 +360,7 @@ class SparkCopy:
         watcher = threading.Thread(target=self.report_progress, args=(stop,), daemon=True)
         watcher.start()
         try:
-            copy_ranges(spark, ctx, pending).collect()
+            copy_ranges(spark, ctx, pending, copy_streams(self.proc.cfg)).collect()
         finally:
             stop.set()
             watcher.join()
