@@ -12,6 +12,10 @@ copy (into an empty subscriber table with the provider's definition):
               pipe (spark_copy_min_rows = off), the Spark copy cold (Spark started by the copy
               process) and warm (attached to a running Spark Connect server)
 
+Before each timed copy both clusters are checkpointed and the page cache's dirty data written
+out (`settle`), so that no copy pays for the writeback of the one before; the pipe is timed
+again last, as a drift check.
+
 compare (the Spark copy's leaf against the root, ticker and worker running), (a) identical,
 (b) 5,000 rows different on the subscriber (1,666 deleted, 1,666 changed, 1,668 extra):
   pgcascade compare, cold (the CLI starts Spark) and warm (spark_remote), whole command timed
@@ -64,6 +68,15 @@ def timed(fn) -> tuple[float, object]:
     t = time.monotonic()
     out = fn()
     return time.monotonic() - t, out
+
+
+def dirty_mb() -> float:
+    """Dirty and writeback page cache, MB (/proc/meminfo)."""
+    kb = 0
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(("Dirty:", "Writeback:")):
+            kb += int(line.split()[1])
+    return kb / 1024
 
 
 def loadavg() -> str:
@@ -160,14 +173,27 @@ class Bench:
 
     # --- copy ---
 
-    def copy_pipe(self) -> float:
-        self.empty_table("pipe", indexed=False)
+    def settle(self) -> None:
+        """Before a timed copy: both clusters checkpointed and the page cache's dirty data
+        written out, so that no copy pays for the writeback of the one before it (each copy
+        writes ~1.2 GB of table and WAL; unsettled, the later ones measured up to 2x slower)."""
+        for c in (self.prov, self.sub):
+            with psycopg.connect(self.dsn(c, "postgres"), autocommit=True) as conn:
+                conn.execute("checkpoint")
+        os.sync()
+        deadline = time.monotonic() + 60
+        while dirty_mb() > 64 and time.monotonic() < deadline:
+            time.sleep(0.5)
+
+    def copy_pipe(self, db: str = "pipe") -> float:
+        self.empty_table(db, indexed=False)
+        self.settle()
         psql = str(pg_bindir().parent / "bin" / "psql") if (pg_bindir() / "psql").exists() else "psql"
         out = f"{psql} -X -q -c '\\copy pgbench_accounts to stdout' '{self.dsn(self.prov, 'bench')}'"
-        into = f"{psql} -X -q -c '\\copy pgbench_accounts from stdin' '{self.dsn(self.sub, 'pipe')}'"
+        into = f"{psql} -X -q -c '\\copy pgbench_accounts from stdin' '{self.dsn(self.sub, db)}'"
         t = time.monotonic()
         run(["bash", "-o", "pipefail", "-c", f"{out} | {into}"])
-        with psycopg.connect(self.dsn(self.sub, "pipe"), autocommit=True) as conn:
+        with psycopg.connect(self.dsn(self.sub, db), autocommit=True) as conn:
             conn.execute("alter table pgbench_accounts add primary key (aid)")
         return time.monotonic() - t
 
@@ -175,6 +201,7 @@ class Bench:
         self.empty_table("native", indexed=True)
         with psycopg.connect(self.dsn(self.prov, "bench"), autocommit=True) as conn:
             conn.execute("create publication benchpub for table pgbench_accounts")
+        self.settle()
         with psycopg.connect(self.dsn(self.sub, "native"), autocommit=True) as conn:
             t = time.monotonic()
             conn.execute(
@@ -196,6 +223,7 @@ class Bench:
         ini = self.ini(db, self.dsn(self.sub, db), **extra)
         self.cli(ini, "create-leaf", db, "--provider", self.dsn(self.prov, "bench"))
         self.cli(ini, "add-table", "pgbench_accounts", "--create")
+        self.settle()
         t = time.monotonic()
         worker = self.daemon(str(ini), "worker")
         with psycopg.connect(self.dsn(self.sub, db), autocommit=True) as conn:
@@ -349,6 +377,10 @@ def main(argv: list[str] | None = None) -> int:
         took, _, w = b.copy_pgcascade("sparkwarm", spark_copy_min_rows=1000000, spark_remote=remote)
         b.stop(w)
         res.append(("copy", "pgcascade Spark copy, warm: attached to Spark Connect (until ok)", took, ""))
+        log("copy: single pipe again")
+        res.append(
+            ("copy", "single COPY pipe again, after the others (drift check)", b.copy_pipe("pipe2"), "")
+        )
         warm_ini = b.ini("sparkcold-warm", b.dsn(b.sub, "sparkcold"), spark_remote=remote)
         for case in ("a: identical", "b: 0.1% different"):
             if case.startswith("b"):
