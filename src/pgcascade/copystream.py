@@ -20,13 +20,13 @@ import shutil
 import subprocess
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from pgcascade.errors import RuntimeFailure
+from pgcascade.localcluster import pg_bindir
 
 log = logging.getLogger("pgcascade.copy")
 
@@ -39,13 +39,12 @@ OUTPUT_SETTINGS = (
 
 
 def psql_binary() -> str | None:
-    """$PGCASCADE_PG_BIN/psql, Debian's PostgreSQL 15 client, or psql on PATH."""
-    env = os.environ.get("PGCASCADE_PG_BIN")
-    candidates = [Path(env) / "psql"] if env else []
-    candidates += [Path("/usr/lib/postgresql/15/bin/psql")]
-    candidates += sorted(Path("/usr/lib/postgresql").glob("*/bin/psql"), reverse=True)
-    found = next((c for c in candidates if c.exists()), None)
-    return str(found) if found else shutil.which("psql")
+    """psql next to the PostgreSQL server binaries (localcluster.pg_bindir), or on PATH."""
+    try:
+        found = pg_bindir() / "psql"
+    except RuntimeError:  # no server binaries on this host (a Spark executor, say)
+        return shutil.which("psql")
+    return str(found) if found.exists() else shutil.which("psql")
 
 
 def export_snapshot(conn: psycopg.Connection) -> str:
