@@ -378,6 +378,48 @@ def test_seed_illustration_lose_root_then_branch(cascade, make_db, private_clust
     c.assert_equal("s2", "s1")
 
 
+def test_failover_keeps_history_for_a_node_down_during_it(cascade, make_db, private_clusters):
+    """A leaf of the lost root is down while the branch takes over: it is not redirected, but
+    the new root keeps the ticks it continues from through its maintenance, so once back it
+    moves to the new root and ends equal, nothing applied twice."""
+    c = cascade
+    p1, p3 = private_clusters(2)
+    c.node("s1", PrivateDb(p1))
+    c.node("s2", make_db("a"))
+    c.node("s3", PrivateDb(p3))
+    c.pgbench_root("s1")
+    c.cli("s1", "add-seq", "--all")
+    for n, kind in (("s2", "branch"), ("s3", "leaf")):
+        copy_schema(c.dbs["s1"], c.dbs[n])
+        c.create(n, kind, "s1")
+        c.cli(n, "add-table", "--all")
+        c.cli(n, "add-seq", "--all")
+        add_apply_audit(c.dbs[n])
+    c.start_all("s1", "s2", "s3")
+    assert pgbench(c.dbs["s1"], "-c", "2", "-T", "3", "-R", "200").wait(timeout=60) == 0
+    c.sync("s1", ["s2", "s3"])
+    c.kill_worker("s3")
+    p3.stop("immediate")  # s3 is down; s1 goes on, then dies too
+    assert pgbench(c.dbs["s1"], "-c", "2", "-T", "2", "-R", "200").wait(timeout=60) == 0
+    c.sync("s1", ["s2"])
+    p1.stop("immediate")
+    r = c.cli("s2", "takeover", "s1", "--dead-root", timeout=240)
+    assert "s3: unreachable" in r.stdout and "keeps history for it" in r.stdout, r.stdout
+    assert pgbench(c.dbs["s2"], "-c", "2", "-T", "3", "-R", "200").wait(timeout=60) == 0
+    with c.dbs["s2"].connect() as conn:  # maintenance as the new root, whenever its ticker runs it
+        for _ in range(3):
+            conn.execute("select pgcascade.ticker(%s)", (QUEUE,))
+            conn.execute("select pgcascade.maint_global_watermark(%s)", (QUEUE,))
+            conn.execute("select pgcascade.maint_tick_cleanup(%s)", (QUEUE,))
+    p3.start()
+    r = c.cli("s3", "change-provider", "--provider", "s2")
+    assert "s3 feeds from s2" in r.stdout, r.stdout
+    c.start_worker("s3")
+    c.sync("s2", ["s3"])
+    c.assert_equal("s2", "s3")
+    assert_history_applied_once(c.dbs["s3"])
+
+
 def test_switchover_and_back_under_load(cascade, make_db):
     """S1 root, S2 branch, S3 leaf under S1.  takeover S1 on S2 while pgbench writes: S2 becomes
     the root, S1 its branch (S3 still under S1); and back.  Nothing lost, nothing twice."""

@@ -17,7 +17,10 @@ Writes are refused from 2 to 4.  If N does not reach T in time, OLD is made the 
 Failover (`takeover OLD --dead-root`): N first catches up from the most advanced surviving
 branch (branches carry the whole queue), becomes the root, and every survivor that fed from
 OLD moves to N.  A node that applied ticks no survivor carries cannot follow without a gap:
-it is reported, with the ticks it has that the new root does not, and left alone.
+it is reported, with the ticks it has that the new root does not, and left alone.  Before N
+becomes the root it records the watermark of every node about to follow it (and, for a node
+that cannot be reached, the set's global watermark), so its first maintenance as the root
+does not delete the ticks they continue from.
 """
 
 from __future__ import annotations
@@ -184,6 +187,23 @@ def last_tick_of(conn: psycopg.Connection, queue: str) -> int | None:
     if node.role.has_queue:
         return conn.execute("select last_tick_id from pgcascade.get_queue_info(%s)", (queue,)).fetchone()[0]
     return node.last_tick
+
+
+def global_watermark(conn: psycopg.Connection, queue: str) -> int | None:
+    """The oldest tick this node keeps for the set (its '.global_watermark' registration)."""
+    row = conn.execute(
+        "select last_tick from pgcascade.get_consumer_info(%s, '.global_watermark')", (queue,)
+    ).fetchone()
+    return row[0] if row else None
+
+
+def reporters(location: str, queue: str) -> set[str]:
+    """The nodes that report their watermark to the node at `location`: its subscribers."""
+    with reach(location) as c:
+        if c is None:
+            return set()
+        rows = c.execute("select node_name from pgcascade.node_watermark where queue_name = %s", (queue,))
+        return {r[0] for r in rows}
 
 
 def has_tick(conn: psycopg.Connection, queue: str, tick: int) -> bool:
@@ -430,6 +450,7 @@ def switchover(
         except RuntimeFailure:
             promote_to_root(old, queue)  # back as it was: the old root takes writes again
             raise
+        keep_history_for(new, queue, old_name, old, last)
         left_out = promote_to_root(new, queue)
         blocked = time.monotonic() - blocked
         with new.transaction():
@@ -476,6 +497,21 @@ def failover(
         )
         mine = applied_tick(new, queue)
     seen = max([mine, *((m.node.last_tick or 0) for m in live)])
+    followers = [
+        m
+        for m in live
+        if m.node.provider_node in (dead_name, me.node_name)
+        and m.node.role.reads_provider_queue
+        and (m.node.last_tick or 0) <= mine
+    ]
+    for m in followers:
+        with reach(m.location) as mc:
+            keep_history_for(new, queue, m.name, mc, m.node.last_tick)
+    unreachable = [m for m in members if m.node is None and not m.dead and m.name != dead_name]
+    under_survivors = set().union(*(reporters(m.location, queue) for m in live if m.node.role.has_queue))
+    for m in unreachable:  # it may have fed from OLD, come back and move here: keep its history
+        if m.name not in under_survivors:
+            keep_history_for(new, queue, m.name, None, global_watermark(new, queue))
     left_out = promote_to_root(new, queue, first_tick=seen + 1 if seen > mine else None)
     announce_location(new, queue, dead_name, dead_loc, dead=True)
     report = [f"{me.node_name} is the root from tick {mine}"]
@@ -484,24 +520,40 @@ def failover(
     for m in live:
         if m.node.provider_node not in (dead_name, me.node_name) or not m.node.role.reads_provider_queue:
             continue
-        if (m.node.last_tick or 0) > mine:
+        if m not in followers:
             report.append(
                 f"{m.name} applied ticks {mine + 1}..{m.node.last_tick} that no survivor carries:"
                 f" left on {dead_name}; resync its tables (or drop it)"
             )
-            continue
-        if m.node.provider_node == me.node_name:
-            continue
-        with connect(m.location) as mc:
-            report.append(change_provider(mc, queue, me.node_name, say, timeout))
+        elif m.node.provider_node != me.node_name:
+            with connect(m.location) as mc:
+                report.append(change_provider(mc, queue, me.node_name, say, timeout))
     if ahead:
         with reach(best.location) as bc:
             if bc is not None:
                 forget_subscriber(bc, queue, me.node_name, me.worker_name)
-    for m in members:
-        if m.node is None and not m.dead and m.name != dead_name:
-            report.append(f"{m.name}: unreachable ({m.error}); not redirected")
+    for m in unreachable:
+        kept = (
+            ""
+            if m.name in under_survivors
+            else f": {me.node_name} keeps history for it until it moves here (change-provider)"
+            " or is dropped (drop-node)"
+        )
+        report.append(f"{m.name}: unreachable ({m.error}); not redirected{kept}")
     return "\n".join(report)
+
+
+def keep_history_for(
+    new: psycopg.Connection, queue: str, name: str, conn: psycopg.Connection | None, last_tick: int | None
+) -> None:
+    """Before `new` becomes the root: keep its ticks back to what node `name` (reached through
+    `conn`, None if it cannot be) and the nodes below it still need, as if it had reported it
+    already.  Otherwise the new root's first maintenance computes the global watermark from
+    its own reporters only and deletes the ticks a node about to move to it continues from."""
+    wm = conn.execute("select pgcascade.local_watermark(%s)", (queue,)).fetchone()[0] if conn else None
+    known = [t for t in (wm, last_tick) if t is not None]
+    if known:
+        new.execute("select pgcascade.set_subscriber_watermark(%s, %s, %s)", (queue, name, min(known)))
 
 
 def take_subscribers(
