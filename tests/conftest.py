@@ -252,9 +252,18 @@ def daemons() -> Iterator[Daemons]:
 # --- a root and a leaf, with the CLI and daemons -------------------------------------------------
 
 
+# the same text for the same value on every server, whatever its defaults (set by the tests, not
+# taken from pgcascade)
+TEXT_SETTINGS = (
+    "set datestyle = 'ISO, YMD'; set intervalstyle = postgres; set timezone = 'UTC';"
+    " set extra_float_digits = 3; set bytea_output = hex"
+)
+
+
 def table_checksum(db: Database, table: str) -> tuple[int, str | None]:
     """(rows, md5 of every row's text in key order): computed by PostgreSQL, not by pgcascade."""
     with db.connect() as conn:
+        conn.execute(TEXT_SETTINGS)
         return conn.execute(
             f"select count(*), md5(string_agg(t::text, E'\\n' order by t::text)) from {table} t"
         ).fetchone()

@@ -117,6 +117,7 @@ class TableApplier:
     set_sql: sql.Composed | None = field(default=None, repr=False)
     event_format: str = "json"
     dest_names: frozenset[str] = frozenset()  # every column of dest when cols was computed
+    json_nulls: bool = False  # dest has json/jsonb columns: read events with pgcascade.event_row
 
     @classmethod
     def build(
@@ -129,6 +130,7 @@ class TableApplier:
         set_based = event_format == "json" and catalog.has_unique_index_on(sub, st.dest_table, st.key_columns)
         a = cls(st.table_name, st.dest_table, st.key_columns, cols, set_based)
         a.event_format, a.dest_names = event_format, frozenset(c.name for c in dest_cols)
+        a.json_nulls = catalog.has_json_columns(sub, st.dest_table)
         if set_based:
             a.set_sql = a._set_based_sql(identity)
         return a
@@ -149,6 +151,7 @@ class TableApplier:
             sub, self.dest, self.keys
         )
         identity = any(c.identity for c in dest_cols if c.name in self.cols)
+        self.json_nulls = catalog.has_json_columns(sub, self.dest)
         self.set_sql = self._set_based_sql(identity) if self.set_based else None
 
     def _set_based_sql(self, identity: bool) -> sql.Composed:
@@ -174,11 +177,17 @@ class TableApplier:
             else sql.SQL("do nothing")
         )
         # rows are made with json_populate_record, not jsonb's: jsonb would turn float -0 into 0
-        # and rewrite the text of json columns (whitespace, key order, duplicate keys)
+        # and rewrite the text of json columns (whitespace, key order, duplicate keys); with
+        # json/jsonb columns through event_row, which also restores their JSON nulls
+        populate = sql.SQL(
+            "pgcascade.event_row(null::{}, s.ev_data)"
+            if self.json_nulls
+            else "json_populate_record(null::{}, s.ev_data::json)"
+        ).format(dest)
         return sql.SQL(
             "with net as ("
             " select distinct on ({keys}) s.ev_type, pgcascade_row from pg_temp.pgcascade_stage s"
-            " cross join lateral json_populate_record(null::{dest}, s.ev_data::json) pgcascade_row"
+            " cross join lateral {populate} pgcascade_row"
             " where s.ev_extra1 = %(t)s and s.ev_id >= %(lo)s and s.ev_id < %(hi)s"
             " and s.ev_type in ('I', 'U', 'D')"
             " and (%(skip)s::text is null"
@@ -190,6 +199,7 @@ class TableApplier:
             " on conflict ({keycols}) {on_conflict}"
         ).format(
             keys=key_exprs,
+            populate=populate,
             dest=dest,
             key_match=key_match,
             cols=cols,

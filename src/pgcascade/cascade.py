@@ -33,7 +33,7 @@ from pathlib import Path
 
 import psycopg
 
-from pgcascade import capture, subscriber
+from pgcascade import capture, pgconn, subscriber
 from pgcascade import node as nodes
 from pgcascade import queue as q
 from pgcascade.errors import RuntimeFailure, UserError, db_error_line
@@ -42,7 +42,7 @@ REPORT_EVERY = 10.0  # seconds between "still waiting for ..." lines (seed 004's
 
 
 def connect(location: str, timeout: int = 5) -> psycopg.Connection:
-    return psycopg.connect(location, autocommit=True, connect_timeout=timeout)
+    return pgconn.connect(location, autocommit=True, connect_timeout=timeout)
 
 
 @contextlib.contextmanager

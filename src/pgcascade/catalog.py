@@ -139,6 +139,13 @@ def has_unique_index_on(conn: psycopg.Connection, table: str, keys: list[str]) -
     return bool(row[0])
 
 
+def has_json_columns(conn: psycopg.Connection, table: str) -> bool:
+    """Whether `table` has json/jsonb columns: its events may mark JSON nulls (89_json_nulls.sql)."""
+    return conn.execute(
+        "select exists (select 1 from pgcascade.json_columns(%s::regclass))", (table,)
+    ).fetchone()[0]
+
+
 def is_partitioned(conn: psycopg.Connection, table: str) -> bool:
     """A partitioned table has no rows of its own: ONLY would copy or truncate nothing (or fail)."""
     return conn.execute("select relkind = 'p' from pg_class where oid = %s::regclass", (table,)).fetchone()[0]

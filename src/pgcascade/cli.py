@@ -20,7 +20,7 @@ from pathlib import Path
 import click
 import psycopg
 
-from pgcascade import capture, schema, subscriber, walcapture
+from pgcascade import capture, pgconn, schema, subscriber, walcapture
 from pgcascade import node as nodes
 from pgcascade import queue as q
 from pgcascade.config import JobConfig, load_config
@@ -65,7 +65,7 @@ class Context:
         return self.cfg.db
 
     def connect(self, autocommit: bool = True, connstr: str | None = None) -> psycopg.Connection:
-        return psycopg.connect(connstr or self.db(), autocommit=autocommit, connect_timeout=10)
+        return pgconn.connect(connstr or self.db(), autocommit=autocommit, connect_timeout=10)
 
     def provider_db(self) -> str:
         """The seed's `provider_db` (Londiste 2 configs): where the provider_* commands act."""

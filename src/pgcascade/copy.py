@@ -26,7 +26,7 @@ import time
 import psycopg
 from psycopg import sql
 
-from pgcascade import catalog, copystream, subscriber
+from pgcascade import catalog, copystream, pgconn, subscriber
 from pgcascade import node as nodes
 from pgcascade import queue as q
 from pgcascade.apply import APPLY_SETTINGS, TableApplier, apply_staged, stage_batch
@@ -147,12 +147,12 @@ class CopyProcess(Daemon):
     def connect(self) -> None:
         """(Re)connect to both databases; after a server restart the next round does this."""
         if self.sub is None or self.sub.closed:
-            self.sub = psycopg.connect(self.cfg.db, autocommit=True, connect_timeout=10)
+            self.sub = pgconn.connect(self.cfg.db, autocommit=True, connect_timeout=10)
             self.sub.execute("set application_name = 'pgcascade copy'")
             self.node = nodes.require_node(self.sub, self.queue)
             self.prov_location = nodes.provider_location(self.sub, self.node)
         if self.prov is None or self.prov.closed:
-            self.prov = psycopg.connect(self.prov_location, autocommit=True, connect_timeout=10)
+            self.prov = pgconn.connect(self.prov_location, autocommit=True, connect_timeout=10)
 
     def table_state(self) -> subscriber.SubscriberTable | None:
         return subscriber.get_table(self.sub, self.queue, self.table)
@@ -226,7 +226,7 @@ class CopyProcess(Daemon):
         cols = [
             c.name for c in catalog.columns(self.prov, self.table) if c.name in dest_cols and not c.generated
         ]
-        with psycopg.connect(self.prov_location, connect_timeout=10) as snap_conn:
+        with pgconn.connect(self.prov_location, connect_timeout=10) as snap_conn:
             snap_conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
             snap_conn.read_only = True
             # the transaction's snapshot: every event committed before it is in the copied rows

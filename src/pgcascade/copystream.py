@@ -25,6 +25,7 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from pgcascade import pgconn
 from pgcascade.errors import RuntimeFailure
 from pgcascade.localcluster import pg_bindir
 
@@ -54,7 +55,7 @@ def export_snapshot(conn: psycopg.Connection) -> str:
 
 def open_in_snapshot(dsn: str, snapshot: str) -> psycopg.Connection:
     """A read-only REPEATABLE READ connection inside an exported snapshot."""
-    conn = psycopg.connect(dsn, autocommit=True, connect_timeout=10)
+    conn = pgconn.connect(dsn, autocommit=True, connect_timeout=10)
     conn.execute(OUTPUT_SETTINGS)
     conn.autocommit = False
     conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ

@@ -23,7 +23,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from pgcascade import subscriber
+from pgcascade import pgconn, subscriber
 from pgcascade.errors import RuntimeFailure
 from pgcascade.localcluster import new_cluster, pg_bindir
 from pgcascade.status import set_tree
@@ -84,7 +84,7 @@ def run_demo(seconds: float = 30.0, keep: bool = False) -> None:
             check=True,
             capture_output=True,
         )
-        with psycopg.connect(dbs["root"], autocommit=True) as c:
+        with pgconn.connect(dbs["root"], autocommit=True) as c:
             c.execute("alter table pgbench_history add column hid bigserial primary key")
         ini = {name: write_ini(work / f"{name}.ini", name, db, loop_delay=0.5) for name, db in dbs.items()}
         tickers = {n: write_ini(work / f"ticker_{n}.ini", f"ticker_{n}", dbs[n]) for n in ("root", "branch1")}
@@ -119,7 +119,7 @@ def run_demo(seconds: float = 30.0, keep: bool = False) -> None:
         note = f"pgbench at 300 tps on the root; replicating {', '.join(FIRST)}"
         added = False
         with contextlib.ExitStack() as stack:
-            conns = {n: stack.enter_context(psycopg.connect(db, autocommit=True)) for n, db in dbs.items()}
+            conns = {n: stack.enter_context(pgconn.connect(db, autocommit=True)) for n, db in dbs.items()}
             live = stack.enter_context(Live(console=console, refresh_per_second=2))
             while load.poll() is None:
                 elapsed = time.monotonic() - started

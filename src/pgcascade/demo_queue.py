@@ -14,13 +14,12 @@ import threading
 import time
 from pathlib import Path
 
-import psycopg
 from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
+from pgcascade import pgconn, schema
 from pgcascade import queue as q
-from pgcascade import schema
 from pgcascade.errors import RuntimeFailure
 from pgcascade.localcluster import new_cluster
 from pgcascade.status import queue_tables
@@ -38,7 +37,7 @@ class Writer(threading.Thread):
         self.committed: list[int] = []
 
     def run(self) -> None:
-        with psycopg.connect(self.connstr) as conn:
+        with pgconn.connect(self.connstr) as conn:
             while not self.stop.is_set():
                 n = random.randint(1, 50)
                 ids = [q.insert_event(conn, QUEUE, "demo", f"payload {i}") for i in range(n)]
@@ -69,7 +68,7 @@ def run_queue_demo(seconds: float = 20.0, keep: bool = False) -> None:
     cluster = new_cluster("demo", basedir=workdir / "clusters")
     connstr = cluster.create_database("demo")
     console.print(f"cluster on port {cluster.port}, database demo")
-    with psycopg.connect(connstr, autocommit=True) as conn:
+    with pgconn.connect(connstr, autocommit=True) as conn:
         schema.install(conn)
         q.create_queue(conn, QUEUE)
         q.register_consumer(conn, QUEUE, CONSUMER)
@@ -88,7 +87,7 @@ def run_queue_demo(seconds: float = 20.0, keep: bool = False) -> None:
             w.start()
         consumer_thread.start()
         with (
-            psycopg.connect(connstr, autocommit=True) as conn,
+            pgconn.connect(connstr, autocommit=True) as conn,
             Live(console=console, refresh_per_second=4) as live,
         ):
             started = time.monotonic()

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import psycopg
 
+from pgcascade import pgconn
+
 DEFAULT_SETTINGS: dict[str, str] = {
     "wal_level": "logical",
     "max_wal_senders": "10",
@@ -133,7 +135,7 @@ class LocalCluster:
         return f"host=127.0.0.1 port={self.port} user=postgres dbname={dbname}"
 
     def connect(self, dbname: str = "postgres", autocommit: bool = True) -> psycopg.Connection:
-        return psycopg.connect(self.connstr(dbname), autocommit=autocommit)
+        return pgconn.connect(self.connstr(dbname), autocommit=autocommit)
 
     def create_database(self, dbname: str) -> str:
         with self.connect() as conn:

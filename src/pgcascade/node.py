@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import psycopg
 from psycopg.rows import class_row
 
+from pgcascade import pgconn, schema
 from pgcascade import queue as q
-from pgcascade import schema
 from pgcascade.errors import RuntimeFailure, UserError
 
 
@@ -174,7 +174,7 @@ def create_subscriber(
             raise UserError(
                 f"--merge={merge}: a merge-leaf needs the combined set's root or branch in this database first"
             )
-    with psycopg.connect(provider_connstr, autocommit=True, connect_timeout=10) as prov:
+    with pgconn.connect(provider_connstr, autocommit=True, connect_timeout=10) as prov:
         pnode = get_node(prov, queue_name)
         if pnode is None or not pnode.role.has_queue:
             raise UserError(f"the provider is not a root or branch of set {queue_name!r}")

@@ -24,6 +24,8 @@ from datetime import datetime, timedelta
 import psycopg
 from psycopg.rows import class_row
 
+from pgcascade import pgconn
+
 log = logging.getLogger(__name__)
 
 TICK_CHANNEL = "pgcascade_tick"
@@ -177,7 +179,7 @@ class Consumer:
     @property
     def conn(self) -> psycopg.Connection:
         if self._conn is None or self._conn.closed:
-            self._conn = psycopg.connect(self.connstr, autocommit=True)
+            self._conn = pgconn.connect(self.connstr, autocommit=True)
             self._conn.execute(f"listen {TICK_CHANNEL}")
         return self._conn
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import psycopg
 
 from pgcascade import node as nodes
-from pgcascade import subscriber
+from pgcascade import pgconn, subscriber
 from pgcascade.apply import (
     APPLY_SETTINGS,
     ApplyError,
@@ -145,7 +145,7 @@ class Worker(Daemon):
         """Both connections; the provider's is None while this node is the root (a root's
         worker waits, in case a takeover makes it a branch)."""
         if self.sub is None or self.sub.closed:
-            self.sub = psycopg.connect(self.cfg.db, autocommit=True, connect_timeout=10)
+            self.sub = pgconn.connect(self.cfg.db, autocommit=True, connect_timeout=10)
             self.sub.execute("set application_name = 'pgcascade worker'")
             ensure_stage(self.sub)
         node = nodes.require_node(self.sub, self.queue)
@@ -156,7 +156,7 @@ class Worker(Daemon):
         if not node.role.reads_provider_queue:
             return self.sub, None, node
         if self.prov is None or self.prov.closed:
-            self.prov = psycopg.connect(
+            self.prov = pgconn.connect(
                 nodes.provider_location(self.sub, node), autocommit=True, connect_timeout=10
             )
             self.prov.execute(f"listen {TICK_CHANNEL}")
@@ -346,7 +346,7 @@ class Worker(Daemon):
         message = db_error_line(e) if isinstance(e, psycopg.Error) else str(e)
         with (
             contextlib.suppress(psycopg.Error),
-            psycopg.connect(self.cfg.db, autocommit=True, connect_timeout=5) as c,
+            pgconn.connect(self.cfg.db, autocommit=True, connect_timeout=5) as c,
         ):
             nodes.record_error(c, self.queue, message)
 
@@ -397,7 +397,7 @@ class Worker(Daemon):
         # interrupted the main connection's query (its lock is held: using it would hang)
         with (
             contextlib.suppress(psycopg.Error),
-            psycopg.connect(self.cfg.db, autocommit=True, connect_timeout=5) as conn,
+            pgconn.connect(self.cfg.db, autocommit=True, connect_timeout=5) as conn,
         ):
             pids |= {t.copy_pid for t in subscriber.tables(conn, self.queue) if t.copy_pid}
         for pid in pids:

@@ -10,8 +10,8 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.tree import Tree
 
+from pgcascade import pgconn, subscriber, walcapture
 from pgcascade import queue as q
-from pgcascade import subscriber, walcapture
 from pgcascade.errors import RuntimeFailure, db_error_line
 from pgcascade.node import Node, get_node, provider_location
 
@@ -197,7 +197,7 @@ def print_node_status(conn: psycopg.Connection, node: Node) -> None:
         return
     prov = None
     try:
-        prov = psycopg.connect(provider_location(conn, node), autocommit=True, connect_timeout=5)
+        prov = pgconn.connect(provider_location(conn, node), autocommit=True, connect_timeout=5)
     except psycopg.Error as e:
         console.print(f"provider {node.provider_node}: [red]unreachable[/red] ({db_error_line(e)})")
     try:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import psycopg
 from psycopg import sql
 
+from pgcascade import pgconn
 from pgcascade.config import JobConfig
 from pgcascade.daemon import Daemon
 from pgcascade.errors import db_error_line
@@ -45,7 +46,7 @@ class DatabaseTicker:
 
     def connect(self) -> psycopg.Connection:
         if self.conn is None or self.conn.closed:
-            self.conn = psycopg.connect(self.connstr, autocommit=True, connect_timeout=5)
+            self.conn = pgconn.connect(self.connstr, autocommit=True, connect_timeout=5)
             self.conn.execute("set application_name = 'pgcascade ticker'")
             if self.down_since is not None:
                 log.info("db %s: connected again after %.1fs", self.name, time.monotonic() - self.down_since)
@@ -101,7 +102,7 @@ class Ticker(Daemon):
     def discover(self) -> dict[str, str]:
         """Every database of the server (through initial_database) that has pgcascade installed."""
         found: dict[str, str] = {}
-        with psycopg.connect(
+        with pgconn.connect(
             conninfo_for(self.cfg.base_connstr, self.cfg.initial_database), autocommit=True, connect_timeout=5
         ) as conn:
             names = [
@@ -110,7 +111,7 @@ class Ticker(Daemon):
         for name in names:
             cs = conninfo_for(self.cfg.base_connstr, name)
             try:
-                with psycopg.connect(cs, autocommit=True, connect_timeout=5) as c:
+                with pgconn.connect(cs, autocommit=True, connect_timeout=5) as c:
                     if c.execute("select to_regclass('pgcascade.queue') is not null").fetchone()[0]:
                         found[name] = cs
             except psycopg.Error:

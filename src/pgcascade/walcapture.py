@@ -39,6 +39,7 @@ import psycopg
 from psycopg import pq, sql
 
 from pgcascade import node as nodes
+from pgcascade import pgconn
 from pgcascade.config import JobConfig
 from pgcascade.daemon import Daemon
 from pgcascade.errors import RuntimeFailure, UserError, db_error_line, redact
@@ -375,7 +376,7 @@ class WalCapture(Daemon):
             self.drop_connections()
             if not self.cfg.db or not self.queue:
                 raise UserError(f"{self.cfg.path}: db and queue_name must be set")
-            writer = self.writer = psycopg.connect(self.cfg.db, autocommit=False, connect_timeout=10)
+            writer = self.writer = pgconn.connect(self.cfg.db, autocommit=False, connect_timeout=10)
             writer.execute("set application_name = 'pgcascade capture writer'")
             writer.execute(SESSION_SETTINGS)
             # the slot is told about a position right after its commit: it must be on disk first
@@ -428,7 +429,7 @@ class WalCapture(Daemon):
         # and make the failure visible in `status` (best effort: the database may be down)
         message = db_error_line(e) if isinstance(e, psycopg.Error) else str(e)
         try:
-            with psycopg.connect(self.cfg.db or "", autocommit=True, connect_timeout=5) as conn:
+            with pgconn.connect(self.cfg.db or "", autocommit=True, connect_timeout=5) as conn:
                 conn.execute(
                     "update pgcascade.walcapture set last_error = %s, last_error_time = now() where queue_name = %s",
                     (redact(message), self.queue),
@@ -662,7 +663,10 @@ class WalCapture(Daemon):
     def insert_sql(self, rel: Relation) -> sql.Composed:
         # each row arrives as [op, [text values]]; the cast makes each value the column's type
         # again (its input function: the exact inverse of the output pgoutput used), and
-        # row_to_json renders the row as the capture trigger does
+        # the image is the capture trigger's (row_to_json, JSON nulls of json columns marked)
+        image = self.writer.execute(
+            "select pgcascade.json_image_expr('r', %s::regclass)", (rel.canonical,)
+        ).fetchone()[0]
         cols = sql.SQL(", ").join(
             sql.SQL("(x.v->>{})::{} as {}").format(sql.Literal(i), sql.SQL(cast), sql.Identifier(name))
             for i, (name, cast) in enumerate(zip(rel.names, rel.casts, strict=True))
@@ -670,12 +674,14 @@ class WalCapture(Daemon):
         return sql.SQL(
             "insert into pgcascade.event (ev_id, ev_time, ev_part, ev_type, ev_data, ev_extra1)"
             " select nextval(q.queue_event_seq), now(), q.queue_id * 16 + q.queue_cur_table, x.op,"
-            " row_to_json(r.*)::text, {table}"
+            " {image}, {table}"
             " from pgcascade.queue q,"
             " (select e->>0 as op, e->1 as v, n from json_array_elements(%s::json) with ordinality a(e, n)) x,"
             " lateral (select {cols}) r"
             " where q.queue_name = {queue} order by x.n"
-        ).format(table=sql.Literal(rel.canonical), cols=cols, queue=sql.Literal(self.queue))
+        ).format(
+            image=sql.SQL(image), table=sql.Literal(rel.canonical), cols=cols, queue=sql.Literal(self.queue)
+        )
 
     def insert_event(self, ev_type: str, data: str | None, extra1: str | None) -> None:
         assert self.writer is not None

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import sys
 
+from pgcascade import pgconn
 from pgcascade.config import JobConfig
 from pgcascade.pipeline.compare import Comparison, Progress, TableResult
 from pgcascade.pipeline.repair import KeySpool, SqlWriter, apply_fix, open_output, write_report
@@ -37,7 +38,6 @@ def repair(cfg: JobConfig, tables: list[str], output: str | None, apply: bool, p
     """Compare, write the fix (--output) and/or apply it (--apply).  Exit 0 when nothing differed
     or the fix was applied, 3 when differences were only written out."""
     prog = Progress(progress)
-    import psycopg
 
     cmp = Comparison(cfg, tables, prog)
     spark = _spark(cfg, prog)
@@ -49,7 +49,7 @@ def repair(cfg: JobConfig, tables: list[str], output: str | None, apply: bool, p
             out = open_output(output)
             if out is not sys.stdout:
                 stack.enter_context(out)
-            conn = stack.enter_context(psycopg.connect(cmp.point.sub_dsn, autocommit=True))
+            conn = stack.enter_context(pgconn.connect(cmp.point.sub_dsn, autocommit=True))
             writer = SqlWriter(out, conn, cmp.ctx.specs)
 
         def on_row(result: TableResult, row: dict) -> None:

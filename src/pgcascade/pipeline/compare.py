@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import psycopg
 from psycopg import sql
 
-from pgcascade import catalog, subscriber
+from pgcascade import catalog, pgconn, subscriber
 from pgcascade import node as nodes
 from pgcascade.config import JobConfig
 from pgcascade.errors import UserError
@@ -72,7 +72,7 @@ class TaskContext:
 
 def open_side(ctx: TaskContext, side: str) -> psycopg.Connection:
     """A connection inside the sync point's snapshot of one side, with the canonical settings."""
-    conn = psycopg.connect(ctx.dsn(side), autocommit=True, connect_timeout=10)
+    conn = pgconn.connect(ctx.dsn(side), autocommit=True, connect_timeout=10)
     conn.execute("set application_name = 'pgcascade compare task'")
     conn.execute(sg.SESSION_SETTINGS)
     # bucket checksums: hash aggregation (the planner misjudges the groups and sorts otherwise);
@@ -303,7 +303,7 @@ class Comparison:
         self.queue = cfg.queue_name
         self.settings = Settings.from_config(cfg)
         self.progress = progress or Progress(False)
-        with psycopg.connect(cfg.db, autocommit=True, connect_timeout=10) as sub:
+        with pgconn.connect(cfg.db, autocommit=True, connect_timeout=10) as sub:
             self.tables = chosen_tables(sub, self.queue, names)
         self.point: SyncPoint | None = None
         self.ctx: TaskContext | None = None
@@ -317,8 +317,8 @@ class Comparison:
             f"sync point at tick {self.point.tick} (provider locked {self.point.locked_for:.2f} s)"
         )
         with (
-            psycopg.connect(self.point.prov_dsn, autocommit=True) as prov,
-            psycopg.connect(self.point.sub_dsn, autocommit=True) as sub,
+            pgconn.connect(self.point.prov_dsn, autocommit=True) as prov,
+            pgconn.connect(self.point.sub_dsn, autocommit=True) as sub,
         ):
             specs = tuple(
                 sg.table_spec(i, prov, sub, t.table_name, t.dest_table, t.key_columns)

@@ -24,8 +24,8 @@ import psycopg
 from psycopg import sql
 
 from pgcascade import node as nodes
+from pgcascade import pgconn, subscriber
 from pgcascade import queue as q
-from pgcascade import subscriber
 from pgcascade.errors import RuntimeFailure, UserError, db_error_line
 from pgcascade.pipeline.segments import SESSION_SETTINGS
 
@@ -54,7 +54,7 @@ class SyncPoint:
 
 def snapshot_holder(dsn: str) -> tuple[psycopg.Connection, str]:
     """A REPEATABLE READ, read-only transaction left open, and its exported snapshot id."""
-    conn = psycopg.connect(dsn, autocommit=True, connect_timeout=10)
+    conn = pgconn.connect(dsn, autocommit=True, connect_timeout=10)
     conn.execute("set application_name = 'pgcascade compare'")
     conn.execute(SESSION_SETTINGS)
     conn.autocommit = False
@@ -91,14 +91,14 @@ def sync_point(
     sub_dsn: str, queue: str, tables: list[subscriber.SubscriberTable], timeout: float = DEFAULT_SYNC_TIMEOUT
 ) -> SyncPoint:
     """Freeze both sides at one position and export a snapshot of each (see module doc)."""
-    with psycopg.connect(sub_dsn, autocommit=True, connect_timeout=10) as sub:
+    with pgconn.connect(sub_dsn, autocommit=True, connect_timeout=10) as sub:
         node = nodes.require_node(sub, queue)
         if node.role.captures_changes:
             raise UserError(f"{node.node_name} is the root: run compare with a subscriber's config")
         prov_dsn = nodes.provider_location(sub, node)
-        with psycopg.connect(prov_dsn, autocommit=True, connect_timeout=10) as prov:
+        with pgconn.connect(prov_dsn, autocommit=True, connect_timeout=10) as prov:
             prov.execute("set application_name = 'pgcascade compare'")
-            lock = psycopg.connect(prov_dsn, connect_timeout=10)
+            lock = pgconn.connect(prov_dsn, connect_timeout=10)
             try:
                 started = time.monotonic()
                 try:

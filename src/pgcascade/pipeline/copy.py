@@ -33,7 +33,7 @@ import time
 import psycopg
 from psycopg import sql
 
-from pgcascade import catalog, copystream, subscriber
+from pgcascade import catalog, copystream, pgconn, subscriber
 from pgcascade import queue as q
 from pgcascade.apply import APPLY_SETTINGS
 from pgcascade.config import JobConfig
@@ -147,7 +147,7 @@ def copy_range(ctx: CopyContext, r: RangeTask) -> tuple[int, int]:
     out = sql.SQL("copy (select {} from {} where {}) to stdout").format(cols, spec.relation("prov"), where)
     into = sql.SQL("copy {} ({}) from stdin").format(sql.SQL(spec.dest), cols)
     started = time.monotonic()
-    with psycopg.connect(ctx.sub_dsn, connect_timeout=10) as sub:
+    with pgconn.connect(ctx.sub_dsn, connect_timeout=10) as sub:
         sub.execute(APPLY_SETTINGS)
         done = sub.execute(
             "select done from pgcascade.copy_range where queue_name = %s and table_name = %s and range_no = %s"
@@ -268,7 +268,7 @@ class SparkCopy:
         sub, prov = self.proc.sub, self.proc.prov
         # the consumer first, then the snapshot: every event the snapshot misses is after its tick
         reg_tick = None if has_plan(sub, self.queue, self.table) else self.register()
-        with psycopg.connect(self.proc.prov_location, connect_timeout=10) as holder:
+        with pgconn.connect(self.proc.prov_location, connect_timeout=10) as holder:
             holder.execute(sg.SESSION_SETTINGS)
             holder.commit()
             holder.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
@@ -366,7 +366,7 @@ class SparkCopy:
             watcher.join()
 
     def report_progress(self, stop: threading.Event) -> None:
-        with psycopg.connect(self.proc.cfg.db, autocommit=True, connect_timeout=10) as conn:
+        with pgconn.connect(self.proc.cfg.db, autocommit=True, connect_timeout=10) as conn:
             while not stop.wait(PROGRESS_EVERY):
                 for p in progress(conn, self.queue, self.table):
                     log.info("%s", progress_line(p))

@@ -26,6 +26,7 @@ import psycopg
 from psycopg import sql
 
 from pgcascade import node as nodes
+from pgcascade import pgconn
 from pgcascade.errors import RuntimeFailure, db_error_line
 from pgcascade.pipeline import segments as sg
 from pgcascade.pipeline.compare import TableResult
@@ -154,12 +155,12 @@ def apply_fix(
     current row (or delete it), in one subscriber transaction.  Returns the rows written."""
     if spool.count == 0:
         return 0
-    with psycopg.connect(sub_dsn, autocommit=True, connect_timeout=10) as sub:
+    with pgconn.connect(sub_dsn, autocommit=True, connect_timeout=10) as sub:
         node = nodes.require_node(sub, queue)
         prov_dsn = nodes.provider_location(sub, node)
         with (
-            psycopg.connect(prov_dsn, autocommit=True, connect_timeout=10) as prov,
-            psycopg.connect(prov_dsn) as lock,
+            pgconn.connect(prov_dsn, autocommit=True, connect_timeout=10) as prov,
+            pgconn.connect(prov_dsn) as lock,
         ):
             try:
                 lock.execute(sql.SQL("set local lock_timeout = {}").format(sql.Literal(LOCK_TIMEOUT)))

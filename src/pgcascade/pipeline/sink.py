@@ -9,7 +9,7 @@ Layout under the sink's path (readable by Spark, DuckDB, pyarrow as a partitione
 Columns: op (S snapshot, I, U, D), tick_id, ev_id, txid, ev_time (the writing transaction's
 now()), commit_time (pg_xact_commit_timestamp when track_commit_timestamp is on, else null),
 then the table's columns, typed (PostgreSQL parses the event's row image with
-json_populate_record into the table's own row type).  D rows carry the deleted row.
+pgcascade.event_row into the table's own row type).  D rows carry the deleted row.
 
 Exactly once, across crashes: a batch is written table by table, each into a hidden
 `_tmp.tick_id=T` directory renamed into place (atomic), and only then finished on the queue.
@@ -33,7 +33,7 @@ from pathlib import Path
 import psycopg
 from psycopg import sql
 
-from pgcascade import catalog
+from pgcascade import catalog, pgconn
 from pgcascade import queue as q
 from pgcascade.config import JobConfig
 from pgcascade.daemon import Daemon
@@ -184,7 +184,7 @@ class Sink(Daemon):
 
     def connect(self) -> psycopg.Connection:
         if self.conn is None or self.conn.closed:
-            self.conn = psycopg.connect(self.cfg.db, autocommit=True, connect_timeout=10)
+            self.conn = pgconn.connect(self.cfg.db, autocommit=True, connect_timeout=10)
             self.conn.execute("set application_name = 'pgcascade sink'")
             self.conn.execute("set timezone = 'UTC'")
             self.conn.execute(f"listen {q.TICK_CHANNEL}")
@@ -228,7 +228,7 @@ class Sink(Daemon):
             "select last_tick from pgcascade.get_consumer_info(%s, %s)", (self.queue, self.consumer)
         ).fetchone()[0]
         tables = self.tables(conn)
-        with psycopg.connect(self.cfg.db, connect_timeout=10) as snap:
+        with pgconn.connect(self.cfg.db, connect_timeout=10) as snap:
             snap.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
             snap.read_only = True
             snap.execute("set local timezone = 'UTC'")
@@ -272,7 +272,7 @@ class Sink(Daemon):
             cols = meta["tables"][name]["columns"]
             query = sql.SQL(
                 "select e.ev_type, %s::int8, e.ev_id, e.ev_txid, e.ev_time, {}, {}"
-                " from ({}) e cross join lateral json_populate_record(null::{}, e.ev_data::json) r"
+                " from ({}) e cross join lateral pgcascade.event_row(null::{}, e.ev_data) r"
                 " where e.ev_extra1 = %s and e.ev_type in ('I', 'U', 'D') order by e.ev_id"
             ).format(commit_time, select_list(cols, "r"), sql.SQL(batch_sql), sql.SQL(name))
             with conn.transaction(), conn.cursor(name="pgcascade_sink_batch") as cur:

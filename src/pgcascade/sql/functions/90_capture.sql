@@ -92,8 +92,8 @@ begin
                        pgcascade.queue_part_name(q.queue_id, q.queue_cur_table), q.queue_event_seq::text,
                        q.queue_id * 16 + q.queue_cur_table);
     if i_format = 'json' then
-        img_new := 'row_to_json(n.*)::text';  -- n.* stays the row even if a column is named n
-        img_old := 'row_to_json(o.*)::text';
+        img_new := pgcascade.json_image_expr('n', i_table);  -- n.* stays the row even if a column is named n
+        img_old := pgcascade.json_image_expr('o', i_table);
         img_upd := img_new;
     else
         img_new := pgcascade.capture_sql_insert_expr('n', cols);

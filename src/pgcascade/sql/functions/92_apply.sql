@@ -18,20 +18,20 @@ declare
     sql_upd text;
     sql_del text;
 begin
-    sql_ins := format('insert into %s (%s) select %s from json_populate_record(null::%s, $1) r',
+    sql_ins := format('insert into %s (%s) select %s from pgcascade.event_row(null::%s, $1) r',
                       i_dest, collist, rcollist, i_dest);
-    sql_upd := format('update %s t set (%s) = (select %s) from json_populate_record(null::%s, $1) r where %s',
+    sql_upd := format('update %s t set (%s) = (select %s) from pgcascade.event_row(null::%s, $1) r where %s',
                       i_dest, collist, rcollist, i_dest, keycond);
-    sql_del := format('delete from %s t using json_populate_record(null::%s, $1) r where %s', i_dest, i_dest, keycond);
+    sql_del := format('delete from %s t using pgcascade.event_row(null::%s, $1) r where %s', i_dest, i_dest, keycond);
     for r in execute 'select ev_type, ev_data from pg_temp.pgcascade_stage'
                      ' where ev_extra1 = $1 and ev_id >= $2 and ev_id < $3 and ev_type in (''I'', ''U'', ''D'')'
                      ' and ($4 is null or not txid_visible_in_snapshot(ev_txid, $4::text::txid_snapshot)) order by ev_id'
                    using i_table, i_lo, i_hi, i_skip loop
         if left(r.ev_data, 1) = '{' then
             case r.ev_type
-                when 'I' then execute sql_ins using r.ev_data::json;
-                when 'U' then execute sql_upd using r.ev_data::json;
-                else execute sql_del using r.ev_data::json;
+                when 'I' then execute sql_ins using r.ev_data;
+                when 'U' then execute sql_upd using r.ev_data;
+                else execute sql_del using r.ev_data;
             end case;
         else
             case r.ev_type

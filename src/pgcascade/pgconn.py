@@ -1,0 +1,31 @@
+"""Every connection pgcascade opens: one place, so every session parses what it reads.
+
+psycopg loads dates, timestamps and intervals from their text, which it can read only in
+DateStyle ISO and IntervalStyle postgres; a database or role may default to others ('SQL, DMY',
+'sql_standard').  The startup options set both for our sessions, overriding those defaults,
+and are added to any `options` the connection string already has.  Values themselves never
+depend on them: capture and the copy fix their own output settings.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+SESSION_OPTIONS = "-c datestyle=ISO,YMD -c intervalstyle=postgres"
+
+
+def with_session_options(dsn: str) -> str:
+    params = conninfo_to_dict(dsn)
+    params["options"] = " ".join(o for o in (params.get("options"), SESSION_OPTIONS) if o)
+    return make_conninfo("", **params)
+
+
+def connect(
+    dsn: str, autocommit: bool = False, connect_timeout: int = 10, **kwargs: Any
+) -> psycopg.Connection:
+    return psycopg.connect(
+        with_session_options(dsn), autocommit=autocommit, connect_timeout=connect_timeout, **kwargs
+    )

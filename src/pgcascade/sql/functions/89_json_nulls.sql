@@ -1,0 +1,81 @@
+-- JSON null in json/jsonb columns.  row_to_json writes both an SQL NULL and a json/jsonb value
+-- 'null' as `null`, and json_populate_record reads `null` back as SQL NULL.  So a row image
+-- whose json/jsonb columns hold a JSON null also names them, under a key no column can have
+-- (names are at most 63 bytes), and pgcascade.event_row reads such an image back exactly.
+-- Images without that key are read as before, at json_populate_record's speed.
+
+create or replace function pgcascade.json_null_key() returns text
+language sql immutable as $$ select 'pgcascade: the columns listed here hold a JSON null, not an SQL NULL'::text $$;
+
+-- pgcascade.base_type(type) -> the type itself, or a domain's base type.
+create or replace function pgcascade.base_type(i_type oid) returns regtype
+language sql stable as $$
+    with recursive d(t) as (
+        select i_type
+        union all
+        select p.typbasetype from pg_type p join d on p.oid = d.t where p.typtype = 'd')
+    select d.t::regtype from d join pg_type p on p.oid = d.t where p.typtype <> 'd'
+$$;
+
+-- pgcascade.json_columns(table) -> its columns of type json or jsonb (or domains over them).
+create or replace function pgcascade.json_columns(i_table regclass, out col text, out base regtype)
+returns setof record
+language sql stable as $$
+    select a.attname::text, pgcascade.base_type(a.atttypid)
+      from pg_attribute a
+     where a.attrelid = i_table and a.attnum > 0 and not a.attisdropped
+       and pgcascade.base_type(a.atttypid) in ('json'::regtype, 'jsonb'::regtype)
+     order by a.attnum
+$$;
+
+-- pgcascade.mark_json_nulls(image, columns) -> the image, with the non-null names among
+-- `columns` under json_null_key() when there are any.
+create or replace function pgcascade.mark_json_nulls(i_image text, i_cols text[]) returns text
+language sql stable as $$
+    select case when array_remove(i_cols, null) = '{}' then i_image
+                else left(i_image, -1) || ',' || to_json(pgcascade.json_null_key())::text || ':'
+                     || to_json(array_remove(i_cols, null))::text || '}' end
+$$;
+
+-- pgcascade.json_image_expr(alias, table) -> the SQL expression of the JSON image of row
+-- `alias` of `table`, as capture writes it (triggers and logical capture alike).
+create or replace function pgcascade.json_image_expr(i_alias text, i_table regclass) returns text
+language sql stable as $$
+    select case when count(*) = 0 then format('row_to_json(%s.*)::text', i_alias)
+                else format('pgcascade.mark_json_nulls(row_to_json(%s.*)::text, array[%s])', i_alias,
+                            string_agg(format('case when %s(%s.%I::%s) = ''null'' then %L end',
+                                              case when j.base = 'jsonb'::regtype then 'jsonb_typeof' else 'json_typeof' end,
+                                              i_alias, j.col, j.base, j.col), ', '))
+           end
+      from pgcascade.json_columns(i_table) j
+$$;
+
+-- pgcascade.event_row(null::T, image) -> the row of type T the JSON image holds, with JSON
+-- nulls where the image lists them.
+create or replace function pgcascade.event_row(i_base anyelement, i_data text) returns anyelement
+language plpgsql stable as $$
+declare
+    v_nulls text[];
+    v_fields text;
+    v_rest json;
+    v_row alias for $0;  -- the result, of the actual type of i_base
+begin
+    if strpos(i_data, pgcascade.json_null_key()) = 0 then
+        return json_populate_record(i_base, i_data::json);
+    end if;
+    v_nulls := array(select json_array_elements_text(i_data::json -> pgcascade.json_null_key()));
+    -- the listed columns as JSON null in a record literal (a json column keeps its text,
+    -- spaces included), every other field null ...
+    select '(' || string_agg(case when a.attname = any(v_nulls) then '"' || e.value::text || '"' else '' end,
+                             ',' order by a.attnum) || ')'
+      into v_fields
+      from pg_attribute a join pg_type t on t.typrelid = a.attrelid
+      left join json_each(i_data::json) e on e.key = a.attname
+     where t.oid = pg_typeof(i_base) and a.attnum > 0 and not a.attisdropped;
+    -- ... then filled from the image's other keys (json_each keeps each value's text)
+    select coalesce(json_object_agg(e.key, e.value), '{}') into v_rest
+      from json_each(i_data::json) e where e.key <> all(v_nulls) and e.key <> pgcascade.json_null_key();
+    execute format('select * from json_populate_record(%L::%s, $1)', v_fields, pg_typeof(i_base))
+       into v_row using v_rest;
+    return v_row;
+end $$;
