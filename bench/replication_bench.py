@@ -104,7 +104,15 @@ class Procs:
 
     def start(self, cmd: list[str], logfile: Path) -> subprocess.Popen:
         out = logfile.open("ab")
-        p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        # SIGINT as by default even when this bench runs as a shell's background job (which
+        # ignores it): a daemon stopped right after its start would ignore the signal
+        p = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
         out.close()
         self.procs.append(p)
         return p

@@ -12,12 +12,14 @@ import os
 import random
 import re
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
 
 import psycopg
 import pytest
+from conftest import PGCASCADE
 
 from pgcascade import queue as q
 from pgcascade import schema
@@ -624,3 +626,30 @@ def test_detach_needs_logfile_and_pidfile(db, write_config, cli):
     r = cli("ticker", cfg, "-d", timeout=30)
     assert r.returncode == 2
     assert "-d needs logfile and pidfile" in one_line(r.stderr)
+
+
+def test_a_stop_request_as_soon_as_the_pidfile_names_the_daemon_is_not_lost(db, write_config, tmp_path):
+    """A shell starts background jobs with SIGINT ignored.  A daemon so started, asked to stop
+    (`-s` sends SIGINT to the pid in the pidfile) the moment its pidfile appears, still stops:
+    the pidfile is written only once the daemon's own handler is in place."""
+    setup_queue(db.connstr, "q")
+    cfg = ticker_config(write_config, "bg", db=db.connstr)
+    pidfile = tmp_path / "bg.pid"
+    for _ in range(5):
+        p = subprocess.Popen(
+            [*PGCASCADE, "ticker", str(cfg)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        )
+        try:
+            deadline = time.monotonic() + 30
+            while read_pid(pidfile) != p.pid and time.monotonic() < deadline:
+                time.sleep(0.002)
+            os.kill(p.pid, signal.SIGINT)
+            assert p.wait(timeout=15) == 0
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        assert not pidfile.exists()

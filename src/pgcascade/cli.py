@@ -953,6 +953,10 @@ def fail(message: str, code: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # started in the background by a shell (which ignores SIGINT for it): a stop request
+        # (`-s`) arriving before the daemon's own handler would otherwise be lost for good
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     args = rewrite_argv(list(sys.argv[1:] if argv is None else argv))
     try:
         cli.main(args=args, prog_name="pgcascade", standalone_mode=False)

@@ -150,9 +150,9 @@ class Daemon:
             self._check_not_running()  # before detaching, while the user still sees the error
             daemonize()
             setup_logging(self.cfg.logfile, to_stderr=False)
+        self._install_signals()  # before the pidfile: `-s` finds the pid only once they are in place
         self._take_pidfile()
         try:
-            self._install_signals()
             log.info("%s %s starting (pid %d)", self.name, self.cfg.job_name, os.getpid())
             self.run_loop()
             log.info("%s %s stopped", self.name, self.cfg.job_name)
