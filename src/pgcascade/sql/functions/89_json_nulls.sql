@@ -2,7 +2,8 @@
 -- 'null' as `null`, and json_populate_record reads `null` back as SQL NULL.  So a row image
 -- whose json/jsonb columns hold a JSON null also names them, under a key no column can have
 -- (names are at most 63 bytes), and pgcascade.event_row reads such an image back exactly.
--- Images without that key are read as before, at json_populate_record's speed.
+-- The apply uses event_row only for tables with json/jsonb columns; an image without that
+-- key goes straight to json_populate_record.
 
 create or replace function pgcascade.json_null_key() returns text
 language sql immutable as $$ select 'pgcascade: the columns listed here hold a JSON null, not an SQL NULL'::text $$;
