@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pgcascade.localcluster import LocalCluster, new_cluster, pg_bindir
+from pgcascade.dev.localcluster import LocalCluster, new_cluster, pg_bindir
 
 PGBENCH = str(pg_bindir() / "pgbench")
 PGCASCADE = [sys.executable, "-m", "pgcascade"]

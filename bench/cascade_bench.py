@@ -52,7 +52,7 @@ from replication_bench import (
     run,
 )
 
-from pgcascade.localcluster import new_cluster, pg_bindir
+from pgcascade.dev.localcluster import new_cluster, pg_bindir
 
 PGCASCADE = [sys.executable, "-m", "pgcascade"]
 QUEUE = "cbench"

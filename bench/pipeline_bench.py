@@ -44,7 +44,7 @@ from pathlib import Path
 
 import psycopg
 
-from pgcascade.localcluster import LocalCluster, new_cluster, pg_bindir
+from pgcascade.dev.localcluster import LocalCluster, new_cluster, pg_bindir
 
 PGCASCADE = [sys.executable, "-m", "pgcascade"]
 RELADIFF = Path("/tmp/reladiff-venv/bin/reladiff")

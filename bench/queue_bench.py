@@ -47,8 +47,8 @@ from pathlib import Path
 
 import psycopg
 
-from pgcascade import schema
-from pgcascade.localcluster import LocalCluster, new_cluster
+from pgcascade.core import schema
+from pgcascade.dev.localcluster import LocalCluster, new_cluster
 
 PGQ_CONTROL = Path("/usr/share/postgresql/15/extension/pgq.control")
 EVENTS_PER_TXN = 1000  # figure 1: calls per transaction; figure 2: events per statement

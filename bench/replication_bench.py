@@ -56,7 +56,7 @@ from pathlib import Path
 
 import psycopg
 
-from pgcascade.localcluster import LocalCluster, new_cluster, pg_bindir
+from pgcascade.dev.localcluster import LocalCluster, new_cluster, pg_bindir
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = pg_bindir()

@@ -24,12 +24,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from pgcascade.localcluster import new_cluster, pg_bindir
+from pgcascade.dev.localcluster import new_cluster, pg_bindir
 
 PY = sys.executable
 PROFILER = """
 import cProfile, sys, time
-from pgcascade.cli import main
+from pgcascade.cli.main import main
 prof = cProfile.Profile(time.process_time)
 out = sys.argv.pop(1)
 prof.enable()

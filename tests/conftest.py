@@ -23,8 +23,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from pgcascade import schema
-from pgcascade.localcluster import LocalCluster, new_cluster
+from pgcascade.core import schema
+from pgcascade.dev.localcluster import LocalCluster, new_cluster
 
 PGCASCADE = [sys.executable, "-m", "pgcascade"]
 

@@ -22,7 +22,7 @@ import pytest
 from conftest import Daemons, kill_processes_mentioning, run_cli, table_checksum
 from test_replication import PGBENCH_TABLES, add_apply_audit, pgbench, pgbench_init
 
-from pgcascade.localcluster import LocalCluster, new_cluster, pg_bindir, wait_until
+from pgcascade.dev.localcluster import LocalCluster, new_cluster, pg_bindir, wait_until
 
 QUEUE = "cas"
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from pgcascade import schema
-from pgcascade.localcluster import wait_until
+from pgcascade.core import schema
+from pgcascade.dev.localcluster import wait_until
 
 
 def one_line(r) -> str:

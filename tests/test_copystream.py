@@ -7,8 +7,8 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from pgcascade import copystream
-from pgcascade.errors import RuntimeFailure
+from pgcascade.core import copystream
+from pgcascade.core.errors import RuntimeFailure
 
 ROWS = (
     "select i, case when i %% 3 = 0 then null else 'v' || i || e'\\t\\\\ ü' end,"

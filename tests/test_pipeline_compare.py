@@ -15,7 +15,7 @@ import pytest
 from conftest import table_checksum
 from test_replication import PGBENCH_TABLES, pgbench, pgbench_init
 
-from pgcascade.config import load_config
+from pgcascade.core.config import load_config
 from pgcascade.pipeline.compare import Comparison
 from pgcascade.pipeline.repair import KeySpool, apply_fix
 from pgcascade.pipeline.session import build_session

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from test_replication import PGBENCH_TABLES, pgbench, pgbench_init
 
-from pgcascade.localcluster import wait_until
+from pgcascade.dev.localcluster import wait_until
 
 ACCOUNTS = "public.pgbench_accounts"
 

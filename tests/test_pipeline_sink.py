@@ -13,7 +13,7 @@ from collections import Counter
 import pyarrow.dataset as ds
 from test_replication import PGBENCH_TABLES, pgbench, pgbench_init
 
-from pgcascade.localcluster import wait_until
+from pgcascade.dev.localcluster import wait_until
 
 KEYS = {
     "pgbench_accounts": "aid",

@@ -15,7 +15,7 @@ from collections import Counter
 import psycopg
 import pytest
 
-from pgcascade import queue as q
+from pgcascade.pgq import queue as q
 
 Q = "testq"
 

@@ -17,7 +17,7 @@ import time
 import psycopg
 import pytest
 
-from pgcascade.localcluster import pg_bindir, wait_until
+from pgcascade.dev.localcluster import pg_bindir, wait_until
 
 PGBENCH_TABLES = ("pgbench_accounts", "pgbench_branches", "pgbench_tellers", "pgbench_history")
 

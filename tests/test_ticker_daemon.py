@@ -21,10 +21,10 @@ import psycopg
 import pytest
 from conftest import PGCASCADE
 
-from pgcascade import queue as q
-from pgcascade import schema
-from pgcascade.daemon import pid_alive, read_pid
-from pgcascade.localcluster import wait_until
+from pgcascade.core import schema
+from pgcascade.core.daemon import pid_alive, read_pid
+from pgcascade.dev.localcluster import wait_until
+from pgcascade.pgq import queue as q
 
 # --- helpers --------------------------------------------------------------------------------------
 

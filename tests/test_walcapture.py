@@ -21,7 +21,7 @@ from conftest import run_cli, table_checksum
 from test_replication import PGBENCH_TABLES, add_apply_audit, assert_applied_once, pgbench, pgbench_init
 from test_replication_types import COLUMNS, NEG_ZERO, ROWS, TYPES_DDL, create_alltypes, insert_rows
 
-from pgcascade.localcluster import wait_until
+from pgcascade.dev.localcluster import wait_until
 
 
 def start_capture(r) -> subprocess.Popen:

@@ -1,3 +1,3 @@
-from pgcascade.cli import main
+from pgcascade.cli.main import main
 
 main()

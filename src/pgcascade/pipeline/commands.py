@@ -10,8 +10,8 @@ import contextlib
 import logging
 import sys
 
-from pgcascade import pgconn
-from pgcascade.config import JobConfig
+from pgcascade.core import pgconn
+from pgcascade.core.config import JobConfig
 from pgcascade.pipeline.compare import Comparison, Progress, TableResult
 from pgcascade.pipeline.repair import KeySpool, SqlWriter, apply_fix, open_output, write_report
 
@@ -85,7 +85,7 @@ def compact(cfg: JobConfig) -> None:
     """`sink compact`: each table's current state as Parquet under DIR/_current."""
     from pathlib import Path
 
-    from pgcascade.errors import UserError
+    from pgcascade.core.errors import UserError
     from pgcascade.pipeline.sink import compact as run_compact
 
     path = cfg.raw.get("sink_path", "").strip()

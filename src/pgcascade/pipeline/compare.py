@@ -29,12 +29,13 @@ from dataclasses import dataclass, field
 import psycopg
 from psycopg import sql
 
-from pgcascade import catalog, pgconn, subscriber
-from pgcascade import node as nodes
-from pgcascade.config import JobConfig
-from pgcascade.errors import UserError
+from pgcascade.core import catalog, pgconn
+from pgcascade.core.config import JobConfig
+from pgcascade.core.errors import UserError
+from pgcascade.pgq import node as nodes
 from pgcascade.pipeline import segments as sg
 from pgcascade.pipeline.consistency import DEFAULT_SYNC_TIMEOUT, SyncPoint, sync_point
+from pgcascade.replica import tables as subscriber
 
 log = logging.getLogger("pgcascade.pipeline")
 

@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from pgcascade.config import JobConfig
-from pgcascade.errors import RuntimeFailure
+from pgcascade.core.config import JobConfig
+from pgcascade.core.errors import RuntimeFailure
 from pgcascade.pipeline.session import LOG4J, jdbc_jar, spark_settings
 
 

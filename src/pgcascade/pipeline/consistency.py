@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 import psycopg
 from psycopg import sql
 
-from pgcascade import node as nodes
-from pgcascade import pgconn, subscriber
-from pgcascade import queue as q
-from pgcascade.errors import RuntimeFailure, UserError, db_error_line
+from pgcascade.core import pgconn
+from pgcascade.core.errors import RuntimeFailure, UserError, db_error_line
+from pgcascade.pgq import node as nodes
+from pgcascade.pgq import queue as q
 from pgcascade.pipeline.segments import SESSION_SETTINGS
+from pgcascade.replica import tables as subscriber
 
 log = logging.getLogger("pgcascade.pipeline")
 

@@ -33,12 +33,13 @@ import time
 import psycopg
 from psycopg import sql
 
-from pgcascade import catalog, copystream, pgconn, subscriber
-from pgcascade import queue as q
-from pgcascade.apply import APPLY_SETTINGS
-from pgcascade.config import JobConfig
-from pgcascade.errors import UserError
+from pgcascade.core import catalog, copystream, pgconn
+from pgcascade.core.config import JobConfig
+from pgcascade.core.errors import UserError
+from pgcascade.pgq import queue as q
 from pgcascade.pipeline import segments as sg
+from pgcascade.replica import tables as subscriber
+from pgcascade.replica.apply import APPLY_SETTINGS
 
 log = logging.getLogger("pgcascade.copy")
 
@@ -111,7 +112,7 @@ def definitions_to_json(saved) -> str:
 
 
 def definitions_from_json(data: dict):
-    from pgcascade.copy import SavedDefinitions
+    from pgcascade.replica.copy import SavedDefinitions
 
     saved = SavedDefinitions.__new__(SavedDefinitions)
     saved.constraints = [tuple(c) for c in data["constraints"]]
@@ -313,7 +314,7 @@ class SparkCopy:
         ).fetchone()[0]
 
     def plan(self, holder: psycopg.Connection, spec: sg.TableSpec, snapshot: str, reg_tick: int) -> None:
-        from pgcascade.copy import SavedDefinitions
+        from pgcascade.replica.copy import SavedDefinitions
 
         sub = self.proc.sub
         cuts = sg.split_points(holder, spec, range_rows(self.proc.cfg), 100_000)

@@ -25,9 +25,9 @@ from typing import IO
 import psycopg
 from psycopg import sql
 
-from pgcascade import node as nodes
-from pgcascade import pgconn
-from pgcascade.errors import RuntimeFailure, db_error_line
+from pgcascade.core import pgconn
+from pgcascade.core.errors import RuntimeFailure, db_error_line
+from pgcascade.pgq import node as nodes
 from pgcascade.pipeline import segments as sg
 from pgcascade.pipeline.compare import TableResult
 from pgcascade.pipeline.consistency import LOCK_TIMEOUT, target_tick, wait_applied

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import psycopg
 from psycopg import sql
 
-from pgcascade import catalog
-from pgcascade.copystream import OUTPUT_SETTINGS
-from pgcascade.errors import UserError
+from pgcascade.core import catalog
+from pgcascade.core.copystream import OUTPUT_SETTINGS
+from pgcascade.core.errors import UserError
 
 # the same text for the same value on both sides, whatever each server's defaults
 SESSION_SETTINGS = OUTPUT_SETTINGS

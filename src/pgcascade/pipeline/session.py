@@ -26,8 +26,8 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from pgcascade.config import JobConfig
-from pgcascade.errors import ConfigError, RuntimeFailure
+from pgcascade.core.config import JobConfig
+from pgcascade.core.errors import ConfigError, RuntimeFailure
 
 log = logging.getLogger("pgcascade.pipeline")
 

@@ -33,11 +33,11 @@ from pathlib import Path
 import psycopg
 from psycopg import sql
 
-from pgcascade import catalog, pgconn
-from pgcascade import queue as q
-from pgcascade.config import JobConfig
-from pgcascade.daemon import Daemon
-from pgcascade.errors import UserError
+from pgcascade.core import catalog, pgconn
+from pgcascade.core.config import JobConfig
+from pgcascade.core.daemon import Daemon
+from pgcascade.core.errors import UserError
+from pgcascade.pgq import queue as q
 
 log = logging.getLogger("pgcascade.sink")
 
@@ -215,7 +215,7 @@ class Sink(Daemon):
         if info.batch_id is None:
             return False
         self.write_batch(conn, info, meta)
-        from pgcascade.copy import pause_point
+        from pgcascade.replica.copy import pause_point
 
         pause_point("sink-written", "")
         q.finish_batch(conn, info.batch_id)
@@ -279,7 +279,7 @@ class Sink(Daemon):
                 cur.execute(query, (tick, name))
                 n = TableWriter(self.lake, name, tick, cols).write(cur)
             log.info("%s: tick %d: %d changes", name, tick, n)
-            from pgcascade.copy import pause_point
+            from pgcascade.replica.copy import pause_point
 
             pause_point("sink-table-written", name)
 

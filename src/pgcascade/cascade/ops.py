@@ -33,10 +33,12 @@ from pathlib import Path
 
 import psycopg
 
-from pgcascade import capture, pgconn, subscriber
-from pgcascade import node as nodes
-from pgcascade import queue as q
-from pgcascade.errors import RuntimeFailure, UserError, db_error_line
+from pgcascade.capture import tables as capture
+from pgcascade.core import pgconn
+from pgcascade.core.errors import RuntimeFailure, UserError, db_error_line
+from pgcascade.pgq import node as nodes
+from pgcascade.pgq import queue as q
+from pgcascade.replica import tables as subscriber
 
 REPORT_EVERY = 10.0  # seconds between "still waiting for ..." lines (seed 004's slonik habit)
 
@@ -402,7 +404,7 @@ def _exists(conn: psycopg.Connection, table: str) -> bool:
 def refuse_logical_capture(conn: psycopg.Connection, queue: str, name: str, what: str) -> None:
     """A root capturing from WAL would go on decoding its own replayed changes into its queue
     once it is a branch: not supported yet (the old root must stop capturing first)."""
-    from pgcascade import walcapture
+    from pgcascade.capture import logical as walcapture
 
     if walcapture.is_logical(conn, queue):
         raise UserError(
@@ -732,7 +734,7 @@ def wait_provider_has_tables(
 ) -> None:
     """Tables just added on the root reach a branch's table list with the queue: wait for them
     there (seed 004: a command waits for the work it depends on), if the root has them."""
-    from pgcascade import catalog
+    from pgcascade.core import catalog
 
     wanted = [catalog.canonical(prov, n) for n in names]
     if all(t in capture.set_tables(prov, queue) for t in wanted):

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 import psycopg
 from psycopg import sql
 
-from pgcascade import catalog
-from pgcascade.errors import RuntimeFailure, db_error_line
-from pgcascade.subscriber import SubscriberTable
+from pgcascade.core import catalog
+from pgcascade.core.errors import RuntimeFailure, db_error_line
+from pgcascade.replica.tables import SubscriberTable
 
 log = logging.getLogger("pgcascade.apply")
 

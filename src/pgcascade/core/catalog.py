@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import psycopg
 
-from pgcascade.errors import UserError
+from pgcascade.core.errors import UserError
 
 SYSTEM_SCHEMAS = ("pg_catalog", "information_schema", "pgcascade", "pg_toast")
 

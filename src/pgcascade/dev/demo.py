@@ -23,10 +23,11 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from pgcascade import pgconn, subscriber
-from pgcascade.errors import RuntimeFailure
-from pgcascade.localcluster import new_cluster, pg_bindir
-from pgcascade.status import set_tree
+from pgcascade.core import pgconn
+from pgcascade.core.errors import RuntimeFailure
+from pgcascade.dev.localcluster import new_cluster, pg_bindir
+from pgcascade.monitor.status import set_tree
+from pgcascade.replica import tables as subscriber
 
 QUEUE = "demo_set"
 FIRST = ["pgbench_accounts", "pgbench_branches"]

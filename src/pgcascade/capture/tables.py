@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import psycopg
 
-from pgcascade import catalog, walcapture
-from pgcascade.catalog import TableRef
-from pgcascade.errors import UserError
+from pgcascade.capture import logical as walcapture
+from pgcascade.core import catalog
+from pgcascade.core.catalog import TableRef
+from pgcascade.core.errors import UserError
 
 EVENT_FORMATS = ("json", "sql")
 

@@ -25,9 +25,9 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from pgcascade import pgconn
-from pgcascade.errors import RuntimeFailure
-from pgcascade.localcluster import pg_bindir
+from pgcascade.core import pgconn
+from pgcascade.core.errors import RuntimeFailure
+from pgcascade.dev.localcluster import pg_bindir
 
 log = logging.getLogger("pgcascade.copy")
 

@@ -26,15 +26,16 @@ import time
 import psycopg
 from psycopg import sql
 
-from pgcascade import catalog, copystream, pgconn, subscriber
-from pgcascade import node as nodes
-from pgcascade import queue as q
-from pgcascade.apply import APPLY_SETTINGS, TableApplier, apply_staged, stage_batch
-from pgcascade.config import JobConfig
-from pgcascade.daemon import Daemon
-from pgcascade.errors import UserError
-from pgcascade.queue import TICK_CHANNEL
-from pgcascade.replay import next_batch, provider_formats, resume_at, state_tick
+from pgcascade.core import catalog, copystream, pgconn
+from pgcascade.core.config import JobConfig
+from pgcascade.core.daemon import Daemon
+from pgcascade.core.errors import UserError
+from pgcascade.pgq import node as nodes
+from pgcascade.pgq import queue as q
+from pgcascade.pgq.queue import TICK_CHANNEL
+from pgcascade.replica import tables as subscriber
+from pgcascade.replica.apply import APPLY_SETTINGS, TableApplier, apply_staged, stage_batch
+from pgcascade.replica.worker import next_batch, provider_formats, resume_at, state_tick
 
 log = logging.getLogger("pgcascade.copy")
 

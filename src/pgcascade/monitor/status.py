@@ -10,10 +10,12 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.tree import Tree
 
-from pgcascade import pgconn, subscriber, walcapture
-from pgcascade import queue as q
-from pgcascade.errors import RuntimeFailure, db_error_line
-from pgcascade.node import Node, get_node, provider_location
+from pgcascade.capture import logical as walcapture
+from pgcascade.core import pgconn
+from pgcascade.core.errors import RuntimeFailure, db_error_line
+from pgcascade.pgq import queue as q
+from pgcascade.pgq.node import Node, get_node, provider_location
+from pgcascade.replica import tables as subscriber
 
 
 def fmt_interval(td: timedelta | None) -> str:
@@ -127,7 +129,7 @@ def node_lag(conn: psycopg.Connection, prov: psycopg.Connection | None, node: No
 def set_tree(conn: psycopg.Connection, queue: str) -> Tree:
     """The set as a tree, root at the top: every node's type, lag behind the root (time and
     ticks), paused flag and last error; nodes that do not answer are marked."""
-    from pgcascade.cascade import tree_rows
+    from pgcascade.cascade.ops import tree_rows
 
     members, info = tree_rows(conn, queue)
     by_name = {m.name: m for m in members}

@@ -20,12 +20,15 @@ from pathlib import Path
 import click
 import psycopg
 
-from pgcascade import capture, pgconn, schema, subscriber, walcapture
-from pgcascade import node as nodes
-from pgcascade import queue as q
-from pgcascade.config import JobConfig, load_config
-from pgcascade.daemon import setup_logging, signal_daemon
-from pgcascade.errors import ConfigError, RuntimeFailure, UserError, db_error_line, redact
+from pgcascade.capture import logical as walcapture
+from pgcascade.capture import tables as capture
+from pgcascade.core import pgconn, schema
+from pgcascade.core.config import JobConfig, load_config
+from pgcascade.core.daemon import setup_logging, signal_daemon
+from pgcascade.core.errors import ConfigError, RuntimeFailure, UserError, db_error_line, redact
+from pgcascade.pgq import node as nodes
+from pgcascade.pgq import queue as q
+from pgcascade.replica import tables as subscriber
 
 log = logging.getLogger("pgcascade")
 
@@ -152,7 +155,7 @@ def install(ctx: Context) -> None:
 @click.pass_context
 def ticker(cctx: click.Context, config: str | None, detach: bool, ctl: str | None) -> None:
     """Run the ticker daemon: ticks and maintenance for every configured database."""
-    from pgcascade.ticker import Ticker
+    from pgcascade.pgq.ticker import Ticker
 
     ctx: Context = cctx.obj
     if config:
@@ -242,7 +245,7 @@ def queue_tick(ctx: Context, name: str) -> None:
 @pass_ctx
 def status(ctx: Context) -> None:
     """Show this node (type, provider, lag, tables per state, last error), or the queues."""
-    from pgcascade.status import print_node_status, print_queue_status
+    from pgcascade.monitor.status import print_node_status, print_queue_status
 
     with ctx.connect() as conn:
         node = nodes.get_node(conn, ctx.cfg.queue_name) if ctx.cfg.queue_name else None
@@ -289,7 +292,7 @@ def create_subscriber(
     provider: str,
     merge: str | None = None,
 ) -> None:
-    from pgcascade import cascade
+    from pgcascade.cascade import ops as cascade
 
     with ctx.connect() as conn:
         loc = location or ctx.db()
@@ -333,7 +336,7 @@ def say(line: str) -> None:
 @pass_ctx
 def members(ctx: Context) -> None:
     """List the set's nodes: name, type, provider, location (passwords hidden)."""
-    from pgcascade import cascade
+    from pgcascade.cascade import ops as cascade
 
     with ctx.connect() as conn:
         ctx.node(conn)
@@ -350,7 +353,7 @@ def members(ctx: Context) -> None:
 @pass_ctx
 def change_provider(ctx: Context, provider: str, timeout: float, no_wait: bool) -> None:
     """Feed this node from another node of the set, with no gap and no duplicate."""
-    from pgcascade import cascade
+    from pgcascade.cascade import ops as cascade
 
     with ctx.connect() as conn:
         click.echo(cascade.change_provider(conn, ctx.queue(), provider, say, timeout, no_wait))
@@ -365,7 +368,7 @@ def change_provider(ctx: Context, provider: str, timeout: float, no_wait: bool) 
 def takeover(ctx: Context, old_node: str, dead_root: bool, dead_branch: bool, timeout: float) -> None:
     """Take OLD_NODE's place: a live root becomes our branch (switchover); --dead-root and
     --dead-branch take over from a lost node."""
-    from pgcascade import cascade
+    from pgcascade.cascade import ops as cascade
 
     if dead_root and dead_branch:
         raise UserError("--dead-root and --dead-branch exclude each other")
@@ -397,7 +400,7 @@ def takeover(ctx: Context, old_node: str, dead_root: bool, dead_branch: bool, ti
 @pass_ctx
 def resurrect(ctx: Context, lost_events: str | None) -> None:
     """An old root that was taken over comes back: save what it alone had, make it a branch."""
-    from pgcascade import cascade
+    from pgcascade.cascade import ops as cascade
 
     path = Path(lost_events or ctx.cfg.path.parent / f"{ctx.cfg.job_name}.lost-events.jsonl")
     with ctx.connect() as conn:
@@ -409,7 +412,7 @@ def resurrect(ctx: Context, lost_events: str | None) -> None:
 @pass_ctx
 def drop_node(ctx: Context, node_name: str) -> None:
     """Remove a node from the set (its registrations go, rotation is released)."""
-    from pgcascade import cascade
+    from pgcascade.cascade import ops as cascade
 
     with ctx.connect() as conn:
         ctx.node(conn)
@@ -421,7 +424,7 @@ def drop_node(ctx: Context, node_name: str) -> None:
 @pass_ctx
 def pause(ctx: Context, node_name: str | None) -> None:
     """Pause a node's worker (this node by default)."""
-    from pgcascade import cascade
+    from pgcascade.cascade import ops as cascade
 
     with ctx.connect() as conn:
         click.echo(cascade.set_paused(conn, ctx.queue(), node_name or ctx.node(conn).node_name, True))
@@ -432,7 +435,7 @@ def pause(ctx: Context, node_name: str | None) -> None:
 @pass_ctx
 def resume(ctx: Context, node_name: str | None) -> None:
     """Resume a paused node's worker (this node by default)."""
-    from pgcascade import cascade
+    from pgcascade.cascade import ops as cascade
 
     with ctx.connect() as conn:
         click.echo(cascade.set_paused(conn, ctx.queue(), node_name or ctx.node(conn).node_name, False))
@@ -488,12 +491,12 @@ def add_table(
                 raise UserError("--key and --format are set on the root, where tables are captured")
             with ctx.provider(conn, node) as prov:
                 if not no_wait and tables:
-                    from pgcascade import cascade
+                    from pgcascade.cascade import ops as cascade
 
                     cascade.wait_provider_has_tables(conn, prov, ctx.queue(), list(tables), say, timeout)
                 added = subscriber.add_tables(conn, prov, ctx.queue(), list(tables), all_tables, **opts)
             if node.combined_queue and added:
-                from pgcascade import cascade
+                from pgcascade.cascade import ops as cascade
 
                 cascade.register_merged_tables(conn, node.combined_queue, ctx.queue(), added)
     for t in added:
@@ -631,7 +634,7 @@ def execute(ctx: Context, files: tuple[str, ...]) -> None:
 @pass_ctx
 def wait_sync(ctx: Context, timeout: float) -> None:
     """Wait until every table is ok and this node has applied everything committed before now."""
-    from pgcascade.status import wait_sync as wait
+    from pgcascade.monitor.status import wait_sync as wait
 
     with ctx.connect() as conn:
         node = ctx.node(conn)
@@ -645,7 +648,7 @@ def wait_sync(ctx: Context, timeout: float) -> None:
 @pass_ctx
 def wait_root(ctx: Context, timeout: float) -> None:
     """Wait until this node applied everything committed on the root before now."""
-    from pgcascade import cascade
+    from pgcascade.cascade import ops as cascade
 
     with ctx.connect() as conn:
         tick = cascade.wait_root(conn, ctx.queue(), say, timeout)
@@ -657,7 +660,7 @@ def wait_root(ctx: Context, timeout: float) -> None:
 @pass_ctx
 def wait_provider(ctx: Context, timeout: float) -> None:
     """Wait until this node applied every tick its provider has now."""
-    from pgcascade import cascade
+    from pgcascade.cascade import ops as cascade
 
     with ctx.connect() as conn:
         tick = cascade.wait_provider(conn, ctx.queue(), say, timeout)
@@ -751,7 +754,7 @@ def refuse_worker_without_node(ctx: Context) -> None:
 @pass_ctx
 def worker(ctx: Context, detach: bool, ctl: str | None) -> None:
     """Run the replay worker of this node (-d detach, -s stop, -k kill, -r reload)."""
-    from pgcascade.replay import Worker
+    from pgcascade.replica.worker import Worker
 
     if not ctl:
         refuse_worker_without_node(ctx)
@@ -779,7 +782,7 @@ def capture_daemon(ctx: Context, detach: bool, ctl: str | None) -> None:
 @pass_ctx
 def copy(ctx: Context, table: str) -> None:
     """Internal: the copy process of one table (the worker starts it)."""
-    from pgcascade.copy import CopyProcess
+    from pgcascade.replica.copy import CopyProcess
 
     setup_logging(ctx.cfg.logfile, verbose=ctx.verbose, quiet=ctx.quiet)
     CopyProcess(ctx.cfg, table).start()
@@ -792,11 +795,11 @@ def copy(ctx: Context, table: str) -> None:
 def demo(seconds: float, keep: bool, queue_only: bool) -> None:
     """Run the demo on throwaway local clusters: root, leaf, pgbench, live status, a final check."""
     if queue_only:
-        from pgcascade.demo_queue import run_queue_demo
+        from pgcascade.dev.demo_queue import run_queue_demo
 
         run_queue_demo(seconds=seconds, keep=keep)
     else:
-        from pgcascade.demo import run_demo
+        from pgcascade.dev.demo import run_demo
 
         run_demo(seconds=seconds, keep=keep)
 
@@ -926,7 +929,7 @@ def subscriber_resync(ctx: Context, tables: tuple[str, ...]) -> None:
 @pass_ctx
 def replay(ctx: Context, detach: bool, ctl: str | None) -> None:
     """Londiste 2's name of the worker: replay the provider's events into subscriber_db."""
-    from pgcascade.replay import Worker
+    from pgcascade.replica.worker import Worker
 
     if not ctl:
         refuse_worker_without_node(ctx)

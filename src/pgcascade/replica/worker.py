@@ -35,9 +35,15 @@ from pathlib import Path
 
 import psycopg
 
-from pgcascade import node as nodes
-from pgcascade import pgconn, subscriber
-from pgcascade.apply import (
+from pgcascade.core import pgconn
+from pgcascade.core.config import JobConfig
+from pgcascade.core.daemon import Daemon, pid_alive
+from pgcascade.core.errors import UserError, db_error_line
+from pgcascade.pgq import node as nodes
+from pgcascade.pgq.queue import TICK_CHANNEL, BatchInfo
+from pgcascade.pipeline.copy import forget_plan
+from pgcascade.replica import tables as subscriber
+from pgcascade.replica.apply import (
     APPLY_SETTINGS,
     ApplyError,
     TableApplier,
@@ -47,11 +53,6 @@ from pgcascade.apply import (
     merge_staged,
     stage_batch,
 )
-from pgcascade.config import JobConfig
-from pgcascade.daemon import Daemon, pid_alive
-from pgcascade.errors import UserError, db_error_line
-from pgcascade.pipeline.copy import forget_plan
-from pgcascade.queue import TICK_CHANNEL, BatchInfo
 
 log = logging.getLogger("pgcascade.replay")
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psycopg
 
-from pgcascade import pgconn
+from pgcascade.core import pgconn
 
 DEFAULT_SETTINGS: dict[str, str] = {
     "wal_level": "logical",

@@ -24,7 +24,7 @@ from datetime import datetime, timedelta
 import psycopg
 from psycopg.rows import class_row
 
-from pgcascade import pgconn
+from pgcascade.core import pgconn
 
 log = logging.getLogger(__name__)
 

@@ -18,11 +18,11 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
-from pgcascade import pgconn, schema
-from pgcascade import queue as q
-from pgcascade.errors import RuntimeFailure
-from pgcascade.localcluster import new_cluster
-from pgcascade.status import queue_tables
+from pgcascade.core import pgconn, schema
+from pgcascade.core.errors import RuntimeFailure
+from pgcascade.dev.localcluster import new_cluster
+from pgcascade.monitor.status import queue_tables
+from pgcascade.pgq import queue as q
 
 QUEUE = "demo_queue"
 CONSUMER = "demo_consumer"

@@ -18,8 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from pgcascade.config import JobConfig, load_config
-from pgcascade.errors import ConfigError, RuntimeFailure, UserError, redact
+from pgcascade.core.config import JobConfig, load_config
+from pgcascade.core.errors import ConfigError, RuntimeFailure, UserError, redact
 
 log = logging.getLogger("pgcascade")
 

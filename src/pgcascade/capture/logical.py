@@ -38,11 +38,11 @@ from dataclasses import dataclass, field
 import psycopg
 from psycopg import pq, sql
 
-from pgcascade import node as nodes
-from pgcascade import pgconn
-from pgcascade.config import JobConfig
-from pgcascade.daemon import Daemon
-from pgcascade.errors import RuntimeFailure, UserError, db_error_line, redact
+from pgcascade.core import pgconn
+from pgcascade.core.config import JobConfig
+from pgcascade.core.daemon import Daemon
+from pgcascade.core.errors import RuntimeFailure, UserError, db_error_line, redact
+from pgcascade.pgq import node as nodes
 
 log = logging.getLogger("pgcascade.capture")
 

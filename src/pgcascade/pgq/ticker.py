@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import psycopg
 from psycopg import sql
 
-from pgcascade import pgconn
-from pgcascade.config import JobConfig
-from pgcascade.daemon import Daemon
-from pgcascade.errors import db_error_line
+from pgcascade.core import pgconn
+from pgcascade.core.config import JobConfig
+from pgcascade.core.daemon import Daemon
+from pgcascade.core.errors import db_error_line
 
 log = logging.getLogger("pgcascade.ticker")
 

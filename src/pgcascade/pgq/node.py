@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import psycopg
 from psycopg.rows import class_row
 
-from pgcascade import pgconn, schema
-from pgcascade import queue as q
-from pgcascade.errors import RuntimeFailure, UserError
+from pgcascade.core import pgconn, schema
+from pgcascade.core.errors import RuntimeFailure, UserError
+from pgcascade.pgq import queue as q
 
 
 @dataclass(frozen=True)

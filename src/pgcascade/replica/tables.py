@@ -16,9 +16,10 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import class_row
 
-from pgcascade import capture, catalog
-from pgcascade.errors import UserError
-from pgcascade.queue import TICK_CHANNEL
+from pgcascade.capture import tables as capture
+from pgcascade.core import catalog
+from pgcascade.core.errors import UserError
+from pgcascade.pgq.queue import TICK_CHANNEL
 
 
 @dataclass

@@ -17,7 +17,7 @@ import configparser
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pgcascade.errors import ConfigError
+from pgcascade.core.errors import ConfigError
 
 SECTIONS = ("pgcascade", "londiste")
 
