@@ -16,6 +16,7 @@ import psycopg
 import pytest
 
 from pgcascade.pgq import queue as q
+from pgcascade.pgq.consumer import Batch, Consumer
 
 Q = "testq"
 
@@ -298,13 +299,13 @@ def test_retry_not_due_yet_stays_parked(qdb):
 
 
 def test_consumer_class_finishes_only_on_success_and_retries_atomically(qdb):
-    class Flaky(q.Consumer):
+    class Flaky(Consumer):
         def __init__(self, *a):
             super().__init__(*a)
             self.fail = True
             self.seen: list[int] = []
 
-        def process_batch(self, batch: q.Batch) -> None:
+        def process_batch(self, batch: Batch) -> None:
             events = list(batch.events())
             for ev in events:
                 if ev.ev_data == "retry":
@@ -339,11 +340,11 @@ def test_batch_streams_in_bounded_memory(qdb):
         )
         q.ticker(conn, Q)
 
-    class Counting(q.Consumer):
+    class Counting(Consumer):
         count = 0
         total = 0
 
-        def process_batch(self, batch: q.Batch) -> None:
+        def process_batch(self, batch: Batch) -> None:
             for ev in batch.events():
                 self.count += 1
                 self.total += len(ev.ev_data)

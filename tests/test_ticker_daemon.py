@@ -25,6 +25,7 @@ from pgcascade.core import schema
 from pgcascade.core.daemon import pid_alive, read_pid
 from pgcascade.dev.localcluster import wait_until
 from pgcascade.pgq import queue as q
+from pgcascade.pgq.consumer import Batch, Consumer
 
 # --- helpers --------------------------------------------------------------------------------------
 
@@ -312,7 +313,7 @@ class Writers:
             t.join(timeout=30)
 
 
-class ConsumerThread(q.Consumer):
+class ConsumerThread(Consumer):
     def __init__(self, connstr: str, queue: str, consumer: str):
         super().__init__(connstr, queue, consumer)
         self.ids: list[int] = []
@@ -320,7 +321,7 @@ class ConsumerThread(q.Consumer):
         self.errors: list[BaseException] = []
         self.thread = threading.Thread(target=self.loop, daemon=True)
 
-    def process_batch(self, batch: q.Batch) -> None:
+    def process_batch(self, batch: Batch) -> None:
         self._pending = [ev.ev_id for ev in batch.events()]
 
     def loop(self) -> None:

@@ -1,99 +1,28 @@
-"""Logical capture on the root: a pgoutput slot read into the queue, exactly once.
+"""Logical capture on the root, set-up: the publication, the slot, and the tables in it.
 
 A root created with `--capture=logical` has a publication (its tables) and a logical
-replication slot with the pgoutput plugin; no trigger runs in the application's
-transactions.  The capture daemon (`pgcascade CONF capture`) reads the slot through the
-streaming replication protocol (one decoding session, `SlotStream`), decodes the pgoutput
-messages (protocol 1) and writes the same events the triggers write: ev_type I/U/D/R,
-ev_extra1 the table's canonical name, ev_data the row as `row_to_json` makes it - built by the
-database from the text values pgoutput sends, cast to the columns' types, so every type comes
-out as the trigger would write it.  (The SQL functions pg_logical_slot_peek_changes would
-decode again from the slot's restart point at every call: up to 15 s of WAL a round.)
-
-Exactly once: the events of whole source transactions go into the queue in one queue
-transaction together with the end LSN of the last one (`confirmed_lsn`), committed durably;
-only then is the slot told (standby status update) that it may move there.  A source
-transaction whose commit record starts below `confirmed_lsn` was captured already and is
-skipped, so a crash anywhere (daemon or server) repeats nothing and loses nothing: the slot
-never moves past what the queue holds.  The slot itself admits one reader at a time.  A
-source transaction is never split between queue transactions, so ticks never split it
-either; a huge one streams through (the server spills it to disk, the daemon writes it in
-chunks into one open queue transaction and holds a bounded number of rows).
-
-The root's own events (the table list T, EXECUTE) travel through the WAL as transactional
-logical messages (`pgcascade.emit_event`), so they keep their place among the row changes.
+replication slot with the pgoutput plugin; no trigger runs in the application's transactions.
+The capture daemon (daemon.py) reads the slot into the queue exactly once.  This module makes
+and inspects that set-up; it is the only one that reads `pgcascade.walcapture`.
 """
 
 from __future__ import annotations
 
-import datetime
-import json
 import logging
-import os
-import select
-import struct
 import time
-from dataclasses import dataclass, field
 
 import psycopg
-from psycopg import pq, sql
+from psycopg import sql
 
-from pgcascade.core import pgconn
-from pgcascade.core.config import JobConfig
-from pgcascade.core.daemon import Daemon
-from pgcascade.core.errors import RuntimeFailure, UserError, db_error_line, redact
+from pgcascade.core.errors import RuntimeFailure, UserError, db_error_line
+from pgcascade.core.pgconn import one, scalar
 from pgcascade.pgq import node as nodes
 
 log = logging.getLogger("pgcascade.capture")
 
-MESSAGE_PREFIX = "pgcascade"
-# Both connections use the trigger functions' output settings: the text pgoutput sends is read
-# back with the same DateStyle, and row_to_json then renders every value as the triggers do.
-SESSION_SETTINGS = (
-    "set datestyle = 'ISO, MDY'; set intervalstyle = postgres; set extra_float_digits = 3;"
-    " set bytea_output = hex; set search_path = pg_catalog"
-)
-CHUNK_ROWS = 5000  # rows buffered before they are written; a round commits after this many
-MAX_ROUND_SECONDS = 0.5  # a round under steady load commits at least this often
-IDLE_REPORT = 0.2  # when idle, ask the server where it has read to this often
-KEEPALIVE_SECONDS = 10.0  # status updates at least this often, also while busy
-CHUNK_BYTES = 8 << 20
-PG_EPOCH = datetime.datetime(2000, 1, 1, tzinfo=datetime.UTC)
-
-
-class Unchanged:
-    """pgoutput's 'u': a TOASTed value the UPDATE did not change, not sent."""
-
-
-UNCHANGED = Unchanged()
-Value = str | None | Unchanged
-
-
-def pause_point(name: str, events: int) -> None:
-    """Test hook: with PGCASCADE_PAUSE_AT=name in the environment (and at least
-    PGCASCADE_PAUSE_MIN_EVENTS events in the round), log and sleep here, so a test can SIGKILL
-    the daemon at exactly this point."""
-    if os.environ.get("PGCASCADE_PAUSE_AT") == name and events >= int(
-        os.environ.get("PGCASCADE_PAUSE_MIN_EVENTS", "1")
-    ):
-        log.info("pause point %s (pid %d)", name, os.getpid())
-        time.sleep(float(os.environ.get("PGCASCADE_PAUSE_SECONDS", "60")))
-
-
-def lsn_int(lsn: str) -> int:
-    hi, lo = lsn.split("/")
-    return (int(hi, 16) << 32) | int(lo, 16)
-
-
-def lsn_str(v: int) -> str:
-    return f"{v >> 32:X}/{v & 0xFFFFFFFF:X}"
-
-
-# --- set-up (create-root --capture=logical, add-table, remove-table) ----------------------------
-
 
 def is_logical(conn: psycopg.Connection, queue: str) -> bool:
-    if conn.execute("select to_regclass('pgcascade.walcapture') is null").fetchone()[0]:
+    if scalar(conn, "select to_regclass('pgcascade.walcapture') is null"):
         return False
     row = conn.execute("select 1 from pgcascade.walcapture where queue_name = %s", (queue,)).fetchone()
     return row is not None
@@ -101,25 +30,23 @@ def is_logical(conn: psycopg.Connection, queue: str) -> bool:
 
 def slot_name_for(conn: psycopg.Connection, queue: str) -> tuple[str, str]:
     """(slot, publication): slots are per cluster, so the slot's name carries the database."""
-    qid, dboid = conn.execute(
+    qid, dboid = one(
+        conn,
         "select queue_id, (select oid from pg_database where datname = current_database())"
         " from pgcascade.queue where queue_name = %s",
         (queue,),
-    ).fetchone()
+    )
     return f"pgcascade_{dboid}_{qid}", f"pgcascade_{qid}"
 
 
 def setup_logical(conn: psycopg.Connection, queue: str) -> bool:
     """Make the root `queue` capture through a slot; True if anything was created.  Repeatable:
-    a slot lost (dropped by hand) is created again, from now on."""
-    if conn.execute("select current_setting('wal_level')").fetchone()[0] != "logical":
+    a slot lost (dropped by hand) is created again, from now on.  (capture.tables.use_logical
+    first refuses a trigger root that has tables.)"""
+    if scalar(conn, "select current_setting('wal_level')") != "logical":
         raise UserError("logical capture needs wal_level = logical on the root (a server restart)")
     created = False
     if not is_logical(conn, queue):
-        if conn.execute("select 1 from pgcascade.set_table where queue_name = %s", (queue,)).fetchone():
-            raise UserError(
-                f"root of {queue} captures with triggers and has tables: remove them first, or keep triggers"
-            )
         slot, pub = slot_name_for(conn, queue)
         with conn.transaction():
             if not conn.execute("select 1 from pg_publication where pubname = %s", (pub,)).fetchone():
@@ -134,9 +61,7 @@ def setup_logical(conn: psycopg.Connection, queue: str) -> bool:
                 (queue, slot, pub),
             )
         created = True
-    slot = conn.execute(
-        "select slot_name from pgcascade.walcapture where queue_name = %s", (queue,)
-    ).fetchone()[0]
+    slot = scalar(conn, "select slot_name from pgcascade.walcapture where queue_name = %s", (queue,))
     if not conn.execute("select 1 from pg_replication_slots where slot_name = %s", (slot,)).fetchone():
         # after the publication exists: decoding looks it up as of each change it decodes
         try:
@@ -149,9 +74,7 @@ def setup_logical(conn: psycopg.Connection, queue: str) -> bool:
 
 def add_table(conn: psycopg.Connection, queue: str, table: str, keys: list[str]) -> str:
     """Publish the table; returns the replica identity it needs ('default' or 'full')."""
-    ident = conn.execute(
-        "select pgcascade.walcapture_add_table(%s, %s::regclass, %s)", (queue, table, keys)
-    ).fetchone()[0]
+    ident = scalar(conn, "select pgcascade.walcapture_add_table(%s, %s::regclass, %s)", (queue, table, keys))
     if ident == "full":
         log.warning(
             "%s: REPLICA IDENTITY FULL (its key is not the primary key, or an UPDATE may leave a"
@@ -165,9 +88,23 @@ def remove_table(conn: psycopg.Connection, queue: str, table: str) -> None:
     conn.execute("select pgcascade.walcapture_remove_table(%s, %s::regclass)", (queue, table))
 
 
+def capture_status(conn: psycopg.Connection, queue: str) -> tuple | None:
+    """For `status`: (slot, exists, active, retained bytes, bytes not captured yet, wal_status,
+    since the last captured commit, since the daemon last wrote, last error, its time); None
+    for a root that captures with triggers."""
+    if not is_logical(conn, queue):
+        return None
+    return conn.execute(
+        "select slot_name, slot_exists, slot_active, retained_bytes, behind_bytes, wal_status,"
+        " now() - last_commit, now() - last_capture, last_error, last_error_time"
+        " from pgcascade.walcapture_status(%s)",
+        (queue,),
+    ).fetchone()
+
+
 def wait_captured(conn: psycopg.Connection, queue: str, timeout: float) -> None:
     """Wait until everything committed on the root before this call is in the queue."""
-    target = conn.execute("select pg_current_wal_lsn()").fetchone()[0]
+    target = scalar(conn, "select pg_current_wal_lsn()")
     deadline = time.monotonic() + timeout
     while True:
         done = conn.execute(
@@ -183,522 +120,9 @@ def wait_captured(conn: psycopg.Connection, queue: str, timeout: float) -> None:
         time.sleep(0.05)
 
 
-# --- pgoutput (protocol version 1) ------------------------------------------------------------
-
-
-@dataclass
-class Relation:
-    relid: int
-    canonical: str
-    names: list[str]
-    casts: list[str]  # format_type() of each column
-    key_idx: list[int]
-    insert_sql: bytes | None = field(default=None, repr=False)
-
-
-U16 = struct.Struct(">H")
-U32 = struct.Struct(">I")
-
-
-class Reader:
-    """A cursor over one pgoutput message."""
-
-    def __init__(self, data: bytes):
-        self.d = data
-        self.p = 1
-
-    def unpack(self, fmt: str) -> tuple:
-        v = struct.unpack_from(fmt, self.d, self.p)
-        self.p += struct.calcsize(fmt)
-        return v
-
-    def byte(self) -> bytes:
-        b = self.d[self.p : self.p + 1]
-        self.p += 1
-        return b
-
-    def cstring(self) -> str:
-        end = self.d.index(b"\0", self.p)
-        s = self.d[self.p : end].decode()
-        self.p = end + 1
-        return s
-
-    def tuple(self) -> list[Value]:
-        """A TupleData: the hot path (every row of every change), so plain locals."""
-        d = self.d
-        p = self.p
-        (n,) = U16.unpack_from(d, p)
-        p += 2
-        vals: list[Value] = []
-        append = vals.append
-        for _ in range(n):
-            kind = d[p]
-            p += 1
-            if kind == 0x74:  # 't': Int32 length, text
-                (length,) = U32.unpack_from(d, p)
-                p += 4
-                append(d[p : p + length].decode())
-                p += length
-            elif kind == 0x6E:  # 'n'
-                append(None)
-            elif kind == 0x75:  # 'u'
-                append(UNCHANGED)
-            else:
-                raise RuntimeFailure(f"pgoutput: unexpected tuple value kind {chr(kind)!r}")
-        self.p = p
-        return vals
-
-
-class SlotStream:
-    """The slot's changes through the streaming replication protocol (START_REPLICATION on a
-    replication connection): one decoding session for the daemon's life.  psycopg 3 has no
-    replication API, so the COPY BOTH stream is read and written with libpq's copy calls
-    through psycopg's `pq` layer; the connection serves nothing else."""
-
-    def __init__(self, connstr: str, slot: str, pub: str, start: int):
-        self.conn = psycopg.connect(
-            connstr,
-            autocommit=True,
-            connect_timeout=10,
-            replication="database",
-            application_name="pgcascade capture reader",
-            # pgoutput writes values with the walsender's settings: those of the triggers
-            options="-c datestyle=ISO,MDY -c intervalstyle=postgres -c extra_float_digits=3 -c bytea_output=hex",
-        )
-        self.pg = self.conn.pgconn
-        # the names are ours ([a-z0-9_]): no quoting beyond the delimiters is needed
-        query = (
-            f'START_REPLICATION SLOT "{slot}" LOGICAL {lsn_str(start)}'
-            f" (proto_version '1', publication_names '\"{pub}\"', messages 'true')"
-        )
-        self.pg.send_query(query.encode())
-        res = self.pg.get_result()
-        if res is None or res.status != pq.ExecStatus.COPY_BOTH:
-            msg = (res.error_message if res is not None else self.pg.error_message).decode(errors="replace")
-            self.close()
-            raise RuntimeFailure(f"cannot read slot {slot}: {' '.join(msg.split())}")
-
-    @property
-    def closed(self) -> bool:
-        return self.conn.closed
-
-    def close(self) -> None:
-        if not self.conn.closed:
-            self.conn.close()
-
-    def wait(self, timeout: float) -> None:
-        select.select([self.pg.socket], [], [], timeout)
-
-    def read(self, timeout: float) -> tuple | None:
-        """("w", pgoutput message) or ("k", server's sent position, reply wanted); None when
-        nothing came within `timeout` seconds."""
-        deadline = 0.0
-        consumed = False
-        while True:
-            n, data = self.pg.get_copy_data(1)
-            if n > 0:
-                kind = data[0]
-                if kind == 0x77:  # 'w' XLogData: start, end, time, then the message
-                    return ("w", bytes(data[25:]))
-                if kind == 0x6B:  # 'k' keepalive
-                    wal_end, _ts, reply = struct.unpack_from(">qqb", data, 1)
-                    return ("k", wal_end, reply)
-                continue
-            if n == 0:  # nothing buffered: read what reached the socket, then wait
-                if not consumed:
-                    self.pg.consume_input()
-                    consumed = True
-                    deadline = time.monotonic() + timeout
-                    continue
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self.wait(left)
-                self.pg.consume_input()
-                continue
-            res = self.pg.get_result()
-            msg = (res.error_message if res is not None else self.pg.error_message).decode(errors="replace")
-            self.close()
-            raise psycopg.OperationalError(f"replication stream ended: {' '.join(msg.split())}")
-
-    def feedback(self, flush: int, reply: bool = False) -> None:
-        """Standby status update: everything before `flush` is in the queue (written, flushed,
-        applied alike); the slot's confirmed position moves there."""
-        now = int((time.time() - PG_EPOCH.timestamp()) * 1e6)
-        self.pg.put_copy_data(b"r" + struct.pack(">qqqqb", flush, flush, flush, now, 1 if reply else 0))
-        self.pg.flush()
-
-
-# --- the daemon ---------------------------------------------------------------------------------
-
-
-class WalCapture(Daemon):
-    """Reads the root's slot into its queue; see the module docstring."""
-
-    name = "capture"
-
-    def __init__(self, cfg: JobConfig):
-        super().__init__(cfg)
-        self.loop_delay = float(cfg.raw["loop_delay"]) if cfg.raw.get("loop_delay") else 0.02
-        self.queue = cfg.queue_name or ""
-        self.commit_delay = float(cfg.raw.get("capture_commit_delay") or 0.01)
-        self.stream: SlotStream | None = None
-        self.writer: psycopg.Connection | None = None
-        self.rels: dict[int, Relation] = {}
-        self.keys: dict[str, list[str]] = {}
-        self.stored = 0  # confirmed_lsn: transactions whose commit starts below it are in the queue
-        self.committed = 0  # the same, as told to the slot
-        self.safe = 0  # the server has sent everything before this and all of it is committed
-        self.in_txn = False  # between a B and its C
-        self.skip = False  # the current source transaction was captured before
-        self.asked_at = 0.0
-        self.fed_at = 0.0
-        self._reset_round()
-
-    def reload(self) -> None:
-        """SIGHUP (-r): the timing settings; db and queue_name need a restart."""
-        self.loop_delay = float(self.cfg.raw["loop_delay"]) if self.cfg.raw.get("loop_delay") else 0.02
-        self.commit_delay = float(self.cfg.raw.get("capture_commit_delay") or 0.01)
-
-    def _reset_round(self) -> None:
-        self.buf: dict[int, list[list]] = {}
-        self.buf_rows = 0
-        self.buf_bytes = 0
-        self.last_end = 0  # end LSN of the last source transaction written this round
-        self.last_commit: datetime.datetime | None = None
-        self.events = 0
-        self.txns = 0
-        self.skipped = 0
-
-    # --- connections ---
-    def connect(self) -> tuple[SlotStream, psycopg.Connection]:
-        if self.stream is None or self.stream.closed or self.writer is None or self.writer.closed:
-            self.drop_connections()
-            if not self.cfg.db or not self.queue:
-                raise UserError(f"{self.cfg.path}: db and queue_name must be set")
-            writer = self.writer = pgconn.connect(self.cfg.db, autocommit=False, connect_timeout=10)
-            writer.execute("set application_name = 'pgcascade capture writer'")
-            writer.execute(SESSION_SETTINGS)
-            # the slot is told about a position right after its commit: it must be on disk first
-            writer.execute("set synchronous_commit = on")
-            writer.commit()  # SET in a transaction lasts only if it commits
-            node = nodes.get_node(writer, self.queue)
-            if node is None or node.node_type != "root" or not is_logical(writer, self.queue):
-                raise UserError(f"this database is not a root of {self.queue} with logical capture")
-            slot, pub, stored = writer.execute(
-                "select slot_name, publication, confirmed_lsn::text from pgcascade.walcapture where queue_name = %s",
-                (self.queue,),
-            ).fetchone()
-            if not writer.execute(
-                "select 1 from pg_replication_slots where slot_name = %s", (slot,)
-            ).fetchone():
-                raise RuntimeFailure(
-                    f"replication slot {slot} does not exist: run create-root with --capture=logical again"
-                    " (changes made while it was missing are not in the queue)"
-                )
-            writer.rollback()
-            self.stored = self.committed = lsn_int(stored)
-            self.safe = 0
-            self.rels.clear()
-            self.in_txn = self.skip = False
-            self.stream = SlotStream(self.cfg.db, slot, pub, self.stored)
-            log.info("reading slot %s from %s", slot, stored)
-            writer.execute(
-                "update pgcascade.walcapture set last_error = null, last_error_time = null"
-                " where queue_name = %s and last_error is not null",
-                (self.queue,),
-            )
-            writer.commit()
-        return self.stream, self.writer
-
-    def drop_connections(self) -> None:
-        if self.stream is not None:
-            self.stream.close()
-        if self.writer is not None and not self.writer.closed:
-            self.writer.close()
-        self.stream = None
-        self.writer = None
-
-    def shutdown(self) -> None:
-        self.drop_connections()
-
-    def report_error(self, e: Exception) -> None:
-        # the stream has handed out changes the queue does not hold: start it again from the
-        # queue's position (events written but not committed vanish with the connection)
-        self.drop_connections()
-        # and make the failure visible in `status` (best effort: the database may be down)
-        message = db_error_line(e) if isinstance(e, psycopg.Error) else str(e)
-        try:
-            with pgconn.connect(self.cfg.db or "", autocommit=True, connect_timeout=5) as conn:
-                conn.execute(
-                    "update pgcascade.walcapture set last_error = %s, last_error_time = now() where queue_name = %s",
-                    (redact(message), self.queue),
-                )
-        except psycopg.Error:
-            pass
-
-    def sleep(self, seconds: float) -> None:
-        """Idle: wait for the stream's next message; ask the server now and then where it has
-        read to, so that the slot moves on (and its WAL is released) while nothing is captured."""
-        if self.stream is None or self.stream.closed:
-            time.sleep(seconds)
-            return
-        if time.monotonic() - self.asked_at > IDLE_REPORT:
-            self.feedback(reply=True)
-        self.stream.wait(min(seconds, IDLE_REPORT))
-
-    def feedback(self, reply: bool = False) -> None:
-        assert self.stream is not None
-        self.stream.feedback(max(self.committed, self.safe), reply)
-        self.fed_at = time.monotonic()
-        if reply:
-            self.asked_at = self.fed_at
-
-    def keep_alive(self) -> None:
-        """While a big transaction is read and written: the walsender drops a client silent for
-        wal_sender_timeout (60 s by default)."""
-        if time.monotonic() - self.fed_at > KEEPALIVE_SECONDS and self.stream is not None:
-            self.feedback()
-
-    # --- one round: read what the stream has, commit it ---
-    def work(self) -> bool:
-        stream, _ = self.connect()
-        self._reset_round()
-        started = time.monotonic()
-        more = False
-        n = 0
-        while True:
-            elapsed = time.monotonic() - started
-            if self.in_txn:
-                timeout = 10.0  # the rest of a transaction is on its way
-            elif self.events >= CHUNK_ROWS or elapsed > MAX_ROUND_SECONDS:
-                more = True
-                break
-            else:
-                # gather the transactions of `commit_delay` into one queue transaction: a
-                # commit (an fsync, six statements) per source transaction would cost more
-                # than the application's own
-                timeout = max(self.commit_delay - elapsed, 0.0) if self.txns else 0.0
-            msg = stream.read(timeout)
-            if msg is None:
-                if self.in_txn:
-                    raise RuntimeFailure("the replication stream stopped inside a transaction")
-                break
-            if msg[0] == "k":  # keepalive: the server has sent everything before wal_end
-                if not self.in_txn and self.last_end <= self.committed:
-                    self.safe = max(self.safe, msg[1])
-                if msg[2]:
-                    self.feedback()
-                continue
-            self.handle(msg[1])
-            n += 1
-            if n % 1000 == 0:
-                self.keep_alive()
-        self.commit()
-        self.feedback()
-        return more
-
-    def commit(self) -> None:
-        """Commit the events of the whole source transactions read this round, with their end."""
-        assert self.writer is not None
-        self.flush()
-        if self.last_end > self.committed:
-            self.writer.execute(
-                "update pgcascade.walcapture set confirmed_lsn = %s::pg_lsn, last_commit = coalesce(%s, last_commit),"
-                " last_capture = now(), last_error = null, last_error_time = null where queue_name = %s",
-                (lsn_str(self.last_end), self.last_commit, self.queue),
-            )
-        if self.events:
-            pause_point("written-not-committed", self.events)
-        self.writer.commit()
-        if self.skipped:
-            log.info("skipped %d transactions captured before (the slot had not been told)", self.skipped)
-        if self.last_end > self.committed:
-            self.committed = self.stored = self.last_end
-        if self.events:
-            log.debug("captured %d events of %d transactions", self.events, self.txns)
-            pause_point("committed-not-advanced", self.events)
-
-    # --- messages ---
-    def handle(self, data: bytes) -> None:
-        kind = data[:1]
-        r = Reader(data)
-        if kind == b"B":
-            final_lsn, _ts, _xid = r.unpack(">qqI")
-            self.in_txn = True
-            self.skip = final_lsn < self.stored
-            self.skipped += self.skip
-        elif kind == b"C":
-            _flags, _commit_lsn, end_lsn, ts = r.unpack(">bqqq")
-            self.in_txn = False
-            if not self.skip:
-                self.last_end = end_lsn
-                self.last_commit = PG_EPOCH + datetime.timedelta(microseconds=ts)
-                self.txns += 1
-        elif kind == b"R":
-            self.on_relation(r)
-        elif self.skip or kind in (b"Y", b"O"):
-            return
-        elif kind == b"I":
-            (relid,) = r.unpack(">I")
-            r.byte()  # 'N'
-            self.add_row(relid, "I", r.tuple(), len(data))
-        elif kind == b"U":
-            self.on_update(r, len(data))
-        elif kind == b"D":
-            (relid,) = r.unpack(">I")
-            r.byte()  # 'K' or 'O'
-            self.add_row(relid, "D", r.tuple(), len(data))
-        elif kind == b"T":
-            (nrels,) = r.unpack(">I")
-            r.unpack(">b")  # cascade / restart identity: the subscriber truncates its own way
-            relids = r.unpack(f">{nrels}I")
-            self.flush()
-            for relid in relids:
-                self.insert_event("R", None, self.rels[relid].canonical)
-        elif kind == b"M":
-            self.on_message(r)
-        else:
-            raise RuntimeFailure(f"pgoutput: unexpected message {kind!r}")
-
-    def on_relation(self, r: Reader) -> None:
-        (relid,) = r.unpack(">I")
-        nsp = r.cstring() or "pg_catalog"
-        name = r.cstring()
-        r.byte()  # replica identity
-        (ncols,) = r.unpack(">H")
-        cols = []
-        for _ in range(ncols):
-            (flags,) = r.unpack(">b")
-            cols.append((flags, r.cstring(), *r.unpack(">Ii")))
-        assert self.writer is not None
-        canonical, casts = self.writer.execute(
-            "select format('%%I.%%I', %s::text, %s::text),"
-            " array(select format_type(t, nullif(m, -1)) from unnest(%s::oid[], %s::int4[]) with ordinality u(t, m, o)"
-            "       order by o)",
-            (nsp, name, [c[2] for c in cols], [c[3] for c in cols]),
-        ).fetchone()
-        names = [c[1] for c in cols]
-        if canonical not in self.keys:  # a table added since: read the keys again
-            self.keys = dict(
-                self.writer.execute(
-                    "select table_name, key_columns from pgcascade.set_table where queue_name = %s",
-                    (self.queue,),
-                ).fetchall()
-            )
-        keys = self.keys.get(canonical)
-        key_idx = [names.index(k) for k in keys if k in names] if keys else []
-        if not key_idx:
-            key_idx = [i for i, c in enumerate(cols) if c[0] & 1]
-        if relid in self.rels and self.buf.get(relid):
-            self.flush()  # rows buffered under the old definition go out with it
-        self.rels[relid] = Relation(relid, canonical, names, casts, key_idx)
-
-    def on_update(self, r: Reader, size: int) -> None:
-        (relid,) = r.unpack(">I")
-        kind = r.byte()
-        old: list[Value] | None = None
-        if kind in (b"K", b"O"):
-            old = r.tuple()
-            r.byte()  # 'N'
-        new = r.tuple()
-        rel = self.rels[relid]
-        for i, v in enumerate(new):
-            if v is UNCHANGED:
-                if kind != b"O":
-                    raise RuntimeFailure(
-                        f"{rel.canonical}: an UPDATE kept a TOASTed value that pgoutput does not send;"
-                        f" set REPLICA IDENTITY FULL on the table (add-table does so when it is needed)"
-                    )
-                new[i] = old[i]  # type: ignore[index]
-        if old is not None and any(old[i] != new[i] for i in rel.key_idx):
-            self.add_row(relid, "D", old, size)  # the key changed: as the triggers write it
-            self.add_row(relid, "I", new, size)
-        else:
-            self.add_row(relid, "U", new, size)
-
-    def on_message(self, r: Reader) -> None:
-        (_flags, _lsn) = r.unpack(">bq")
-        prefix = r.cstring()
-        (length,) = r.unpack(">I")
-        content = r.d[r.p : r.p + length].decode()
-        if prefix != MESSAGE_PREFIX:
-            return
-        ev = json.loads(content)
-        if ev.get("queue") != self.queue:
-            return
-        self.flush()
-        self.insert_event(ev["type"], ev.get("data"), ev.get("extra1"))
-
-    # --- writing events ---
-    def add_row(self, relid: int, op: str, vals: list[Value], size: int) -> None:
-        self.buf.setdefault(relid, []).append([op, vals])
-        self.buf_rows += 1
-        self.buf_bytes += size  # the message's length: close enough to the JSON's
-        if self.buf_rows >= CHUNK_ROWS or self.buf_bytes >= CHUNK_BYTES:
-            self.flush()
-
-    def flush(self) -> None:
-        """Write the buffered rows: one statement per table, each table's rows in order (the
-        apply orders a key's events by ev_id; barriers flush first, so they keep their place)."""
-        assert self.writer is not None
-        if not self.buf:
-            return
-        done = []
-        with self.writer.pipeline():  # the tables' statements in one round trip
-            for relid, rows in self.buf.items():
-                rel = self.rels[relid]
-                if rel.insert_sql is None:
-                    rel.insert_sql = self.insert_sql(rel).as_bytes(self.writer)
-                cur = self.writer.cursor()
-                cur.execute(rel.insert_sql, (json.dumps(rows, ensure_ascii=False),))
-                done.append((cur, len(rows)))
-        for cur, n in done:
-            if cur.rowcount != n:
-                raise RuntimeFailure(f"queue {self.queue} does not exist any more")
-            self.events += n
-        self.buf.clear()
-        self.buf_rows = self.buf_bytes = 0
-
-    def insert_sql(self, rel: Relation) -> sql.Composed:
-        # each row arrives as [op, [text values]]; the cast makes each value the column's type
-        # again (its input function: the exact inverse of the output pgoutput used), and
-        # the image is the capture trigger's (row_to_json, JSON nulls of json columns marked)
-        image = self.writer.execute(
-            "select pgcascade.json_image_expr('r', %s::regclass)", (rel.canonical,)
-        ).fetchone()[0]
-        cols = sql.SQL(", ").join(
-            sql.SQL("(x.v->>{})::{} as {}").format(sql.Literal(i), sql.SQL(cast), sql.Identifier(name))
-            for i, (name, cast) in enumerate(zip(rel.names, rel.casts, strict=True))
-        )
-        return sql.SQL(
-            "insert into pgcascade.event (ev_id, ev_time, ev_part, ev_type, ev_data, ev_extra1)"
-            " select nextval(q.queue_event_seq), now(), q.queue_id * 16 + q.queue_cur_table, x.op,"
-            " {image}, {table}"
-            " from pgcascade.queue q,"
-            " (select e->>0 as op, e->1 as v, n from json_array_elements(%s::json) with ordinality a(e, n)) x,"
-            " lateral (select {cols}) r"
-            " where q.queue_name = {queue} order by x.n"
-        ).format(
-            image=sql.SQL(image), table=sql.Literal(rel.canonical), cols=cols, queue=sql.Literal(self.queue)
-        )
-
-    def insert_event(self, ev_type: str, data: str | None, extra1: str | None) -> None:
-        assert self.writer is not None
-        cur = self.writer.execute(
-            "insert into pgcascade.event (ev_id, ev_time, ev_part, ev_type, ev_data, ev_extra1)"
-            " select nextval(q.queue_event_seq), now(), q.queue_id * 16 + q.queue_cur_table, %s, %s, %s"
-            " from pgcascade.queue q where q.queue_name = %s",
-            (ev_type, data, extra1, self.queue),
-        )
-        if cur.rowcount != 1:
-            raise RuntimeFailure(f"queue {self.queue} does not exist any more")
-        self.events += 1
-
-
 def refuse_without_logical_root(conn: psycopg.Connection, queue: str) -> None:
     node = nodes.require_node(conn, queue)
-    if node.node_type != "root" or not is_logical(conn, queue):
+    if not node.role.is_root or not is_logical(conn, queue):
         raise UserError(
             f"node {node.node_name} ({node.node_type}) has no logical capture: it is set at create-root --capture=logical"
         )

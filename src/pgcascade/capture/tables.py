@@ -1,10 +1,13 @@
 """Change capture on the root: which tables and sequences the set replicates.
 
-`add_tables` installs the generated statement-level capture triggers (sql/functions/90_capture.sql)
-- or, on a root with logical capture, adds the table to its publication (walcapture.py) - and
-registers the table in `set_table`, with its key: the primary key, or the columns the user
-names for a table without one.  Each change of the table list also goes into the queue as a
-`T` event (the seed's table-list event), so subscribers see tables leave the set in order.
+`add_tables` installs the generated statement-level capture triggers (sql/capture) - or, on a
+root with logical capture, adds the table to its publication (logical.py) - and registers the
+table in `set_table`, with its key: the primary key, or the columns the user names for a table
+without one.  Each change of the table list also goes into the queue as a `T` event (the seed's
+table-list event), so subscribers see tables leave the set in order.
+
+This module is the only one that reads or writes `set_table` and `set_seq`: the set's tables
+as the root captures them, and as every branch keeps them (it may become the root).
 """
 
 from __future__ import annotations
@@ -15,8 +18,19 @@ from pgcascade.capture import logical as walcapture
 from pgcascade.core import catalog
 from pgcascade.core.catalog import TableRef
 from pgcascade.core.errors import UserError
+from pgcascade.pgq import queue as q
 
 EVENT_FORMATS = ("json", "sql")
+
+
+def use_logical(conn: psycopg.Connection, queue: str) -> bool:
+    """The root captures through a slot from now on (create-root --capture=logical); True if
+    anything was created.  A root whose triggers capture tables already keeps them."""
+    if not walcapture.is_logical(conn, queue) and set_tables(conn, queue):
+        raise UserError(
+            f"root of {queue} captures with triggers and has tables: remove them first, or keep triggers"
+        )
+    return walcapture.setup_logical(conn, queue)
 
 
 def set_tables(conn: psycopg.Connection, queue: str) -> dict[str, list[str]]:
@@ -27,9 +41,93 @@ def set_tables(conn: psycopg.Connection, queue: str) -> dict[str, list[str]]:
     return dict(rows)
 
 
+SetTableRow = tuple[str, list[str], str]  # (table, key columns, event format)
+
+
+def set_table_rows(conn: psycopg.Connection, queue: str) -> list[SetTableRow]:
+    return conn.execute(
+        "select table_name, key_columns, event_format from pgcascade.set_table where queue_name = %s order by 1",
+        (queue,),
+    ).fetchall()
+
+
+def event_formats(conn: psycopg.Connection, queue: str) -> dict[str, str]:
+    """table name -> the format of its events (json, or the seed's partial sql)."""
+    return {table: fmt for table, _, fmt in set_table_rows(conn, queue)}
+
+
 def emit_table_list(conn: psycopg.Connection, queue: str) -> None:
-    names = ",".join(set_tables(conn, queue))
-    conn.execute("select pgcascade.emit_event(%s, 'T', %s, null)", (queue, names))
+    q.emit_event(conn, queue, "T", ",".join(set_tables(conn, queue)), None)
+
+
+def mirror_set_tables(conn: psycopg.Connection, queue: str, rows: list[SetTableRow]) -> None:
+    """A branch keeps the set's table list as its provider has it: its subscribers choose from
+    it, and it captures these tables if it becomes the root."""
+    conn.execute("delete from pgcascade.set_table where queue_name = %s", (queue,))
+    for table, keys, fmt in rows:
+        conn.execute(
+            "insert into pgcascade.set_table (queue_name, table_name, key_columns, event_format)"
+            " values (%s, %s, %s, %s)",
+            (queue, table, keys, fmt),
+        )
+
+
+def add_to_set(conn: psycopg.Connection, queue: str, tables: dict[str, list[str]]) -> None:
+    """Tables that join the set from elsewhere (a merge-leaf's), then the table list event."""
+    for table, keys in tables.items():
+        conn.execute(
+            "insert into pgcascade.set_table (queue_name, table_name, key_columns) values (%s, %s, %s)"
+            " on conflict do nothing",
+            (queue, table, keys),
+        )
+    emit_table_list(conn, queue)
+
+
+def refresh_sql_capture(conn: psycopg.Connection, queue: str) -> None:
+    """The seed's partial-SQL capture names the columns: after DDL, let it see the new ones."""
+    conn.execute(
+        "select pgcascade.capture_enable(queue_name, table_name::regclass, key_columns, event_format)"
+        " from pgcascade.set_table where queue_name = %s and event_format = 'sql'"
+        " and to_regclass(table_name) is not null",
+        (queue,),
+    )
+
+
+# --- the root changes place (takeover) -------------------------------------------------------------
+
+
+def start_capture(conn: psycopg.Connection, queue: str, in_sync: set[str]) -> list[str]:
+    """This node becomes the root: capture the set's tables it holds in sync (they become
+    writable); the others leave the set, and their names return."""
+    left_out = []
+    for table, keys, fmt in set_table_rows(conn, queue):
+        if table not in in_sync or not catalog.table_exists(conn, table):
+            left_out.append(table)
+            conn.execute(
+                "delete from pgcascade.set_table where queue_name = %s and table_name = %s", (queue, table)
+            )
+            continue
+        conn.execute("select pgcascade.protect_table(%s::regclass, false)", (table,))
+        conn.execute("select pgcascade.capture_enable(%s, %s::regclass, %s, %s)", (queue, table, keys, fmt))
+    return left_out
+
+
+def stop_capture(conn: psycopg.Connection, queue: str) -> dict[str, list[str]]:
+    """This root stops capturing: its tables that exist, with their keys (the trigger DDL waits
+    for writers in flight, so after it none is left).  The set's list stays."""
+    stopped = {}
+    for table, keys in set_tables(conn, queue).items():
+        if catalog.table_exists(conn, table):
+            conn.execute("select pgcascade.capture_disable(%s::regclass)", (table,))
+            stopped[table] = keys
+    return stopped
+
+
+def release_all(conn: psycopg.Connection, queue: str) -> None:
+    """The node leaves the set: no capture, and the set's table and sequence lists go."""
+    stop_capture(conn, queue)
+    conn.execute("delete from pgcascade.set_table where queue_name = %s", (queue,))
+    conn.execute("delete from pgcascade.set_seq where queue_name = %s", (queue,))
 
 
 def add_tables(
@@ -124,6 +222,15 @@ def remove_seqs(conn: psycopg.Connection, queue: str, names: list[str]) -> None:
         )
         if cur.rowcount == 0:
             raise UserError(f"sequence {n!r} is not in the set")
+
+
+def follow_seqs(conn: psycopg.Connection, queue: str, names: list[str]) -> None:
+    """A new root replicates the sequences it followed as a subscriber."""
+    for name in names:
+        conn.execute(
+            "insert into pgcascade.set_seq (queue_name, seq_name) values (%s, %s) on conflict do nothing",
+            (queue, name),
+        )
 
 
 def set_seqs(conn: psycopg.Connection, queue: str) -> list[str]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import psycopg
 
 from pgcascade.core.errors import UserError
+from pgcascade.core.pgconn import scalar
 
 SYSTEM_SCHEMAS = ("pg_catalog", "information_schema", "pgcascade", "pg_toast")
 
@@ -29,7 +30,7 @@ class TableRef:
 def split_name(conn: psycopg.Connection, name: str) -> tuple[str, str]:
     """'t' -> ('public', 't'); 's.t' -> ('s', 't'); quoted parts keep their case and characters."""
     try:
-        parts = conn.execute("select parse_ident(%s)", (name,)).fetchone()[0]
+        parts = scalar(conn, "select parse_ident(%s)", (name,))
     except psycopg.Error:
         raise UserError(f"invalid table name: {name!r}") from None
     if len(parts) == 1:
@@ -42,7 +43,7 @@ def split_name(conn: psycopg.Connection, name: str) -> tuple[str, str]:
 def canonical(conn: psycopg.Connection, name: str) -> str:
     """A user's name for a relation -> format('%I.%I', schema, name), whether it exists or not."""
     sch, rel = split_name(conn, name)
-    return conn.execute("select format('%%I.%%I', %s::text, %s::text)", (sch, rel)).fetchone()[0]
+    return scalar(conn, "select format('%%I.%%I', %s::text, %s::text)", (sch, rel))
 
 
 def relations(conn: psycopg.Connection, kinds: str) -> list[TableRef]:
@@ -136,20 +137,18 @@ def has_unique_index_on(conn: psycopg.Connection, table: str, keys: list[str]) -
         " and cardinality(i.indkey) = cardinality(%s::text[]))",
         (table, keys, keys),
     ).fetchone()
-    return bool(row[0])
+    return bool(row and row[0])
 
 
 def has_json_columns(conn: psycopg.Connection, table: str) -> bool:
     """Whether `table` has json/jsonb columns: its events may mark JSON nulls (89_json_nulls.sql)."""
-    return conn.execute(
-        "select exists (select 1 from pgcascade.json_columns(%s::regclass))", (table,)
-    ).fetchone()[0]
+    return scalar(conn, "select exists (select 1 from pgcascade.json_columns(%s::regclass))", (table,))
 
 
 def is_partitioned(conn: psycopg.Connection, table: str) -> bool:
     """A partitioned table has no rows of its own: ONLY would copy or truncate nothing (or fail)."""
-    return conn.execute("select relkind = 'p' from pg_class where oid = %s::regclass", (table,)).fetchone()[0]
+    return scalar(conn, "select relkind = 'p' from pg_class where oid = %s::regclass", (table,))
 
 
 def table_exists(conn: psycopg.Connection, table: str) -> bool:
-    return conn.execute("select to_regclass(%s) is not null", (table,)).fetchone()[0]
+    return scalar(conn, "select to_regclass(%s) is not null", (table,))

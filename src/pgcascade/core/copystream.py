@@ -27,7 +27,8 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from pgcascade.core import pgconn
 from pgcascade.core.errors import RuntimeFailure
-from pgcascade.dev.localcluster import pg_bindir
+from pgcascade.core.pgbin import pg_bindir
+from pgcascade.core.pgconn import scalar
 
 log = logging.getLogger("pgcascade.copy")
 
@@ -40,7 +41,7 @@ OUTPUT_SETTINGS = (
 
 
 def psql_binary() -> str | None:
-    """psql next to the PostgreSQL server binaries (localcluster.pg_bindir), or on PATH."""
+    """psql next to the PostgreSQL server binaries (core.pgbin), or on PATH."""
     try:
         found = pg_bindir() / "psql"
     except RuntimeError:  # no server binaries on this host (a Spark executor, say)
@@ -48,9 +49,16 @@ def psql_binary() -> str | None:
     return str(found) if found.exists() else shutil.which("psql")
 
 
+def current_snapshot(conn: psycopg.Connection) -> str:
+    """The snapshot of conn's open transaction as text (pg_snapshot)."""
+    row = conn.execute("select pg_current_snapshot()::text").fetchone()
+    assert row is not None
+    return row[0]
+
+
 def export_snapshot(conn: psycopg.Connection) -> str:
     """The snapshot of conn's open REPEATABLE READ transaction, for other sessions to import."""
-    return conn.execute("select pg_export_snapshot()").fetchone()[0]
+    return scalar(conn, "select pg_export_snapshot()")
 
 
 def open_in_snapshot(dsn: str, snapshot: str) -> psycopg.Connection:
@@ -99,7 +107,7 @@ def psql_command(psql: str, prov_dsn: str, snapshot: str, copy_out: str) -> tupl
         *("-c", "begin isolation level repeatable read read only"),
         *("-c", f"set transaction snapshot '{snapshot}'"),
         *("-c", copy_out, "-c", "commit"),
-        make_conninfo(**params),
+        make_conninfo("", **params),
     ]
     return cmd, env
 
@@ -110,6 +118,7 @@ def _pipe_from_psql(psql, prov_dsn, snapshot, out, cur, into, on_bytes) -> int:
     with subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env
     ) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
         try:
             with cur.copy(into) as dst:
                 while chunk := proc.stdout.read(CHUNK):

@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+import psycopg
+
 from pgcascade.core.config import JobConfig, load_config
 from pgcascade.core.errors import ConfigError, RuntimeFailure, UserError, redact
 
@@ -108,12 +110,13 @@ class Daemon:
     """Base of the daemons: subclass, implement `work()`, call `start()`."""
 
     name = "daemon"
+    default_loop_delay = 1.0  # seconds between idle rounds when the config sets no loop_delay
 
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         self.stop_requested = False  # SIGINT: finish the current unit of work, then exit
         self.reload_requested = False
-        self.loop_delay = cfg.loop_delay
+        self.loop_delay = cfg.loop_delay or self.default_loop_delay
         self.error_backoff = 0.0
 
     # --- to implement ---
@@ -125,6 +128,9 @@ class Daemon:
 
     def shutdown(self) -> None:
         """Release resources before exit."""
+
+    def drop_connections(self) -> None:
+        """Close the daemon's connections: after a connection failure the next round opens them again."""
 
     def report_error(self, e: Exception) -> None:
         """Make a failed round visible (the worker stores it for `status`)."""
@@ -177,6 +183,8 @@ class Daemon:
             except (KeyboardInterrupt, SystemExit):
                 raise
             except Exception as e:
+                if isinstance(e, psycopg.OperationalError):
+                    self.drop_connections()  # one reconnect rule for every daemon
                 self.error_backoff = min(max(self.error_backoff * 2, 1.0), 30.0)
                 log.error(
                     "%s: %s (retrying in %.0fs)", type(e).__name__, redact(str(e)).strip(), self.error_backoff

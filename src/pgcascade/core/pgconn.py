@@ -19,7 +19,7 @@ SESSION_OPTIONS = "-c datestyle=ISO,YMD -c intervalstyle=postgres"
 
 def with_session_options(dsn: str) -> str:
     params = conninfo_to_dict(dsn)
-    params["options"] = " ".join(o for o in (params.get("options"), SESSION_OPTIONS) if o)
+    params["options"] = " ".join(str(o) for o in (params.get("options"), SESSION_OPTIONS) if o)
     return make_conninfo("", **params)
 
 
@@ -29,3 +29,16 @@ def connect(
     return psycopg.connect(
         with_session_options(dsn), autocommit=autocommit, connect_timeout=connect_timeout, **kwargs
     )
+
+
+def one(conn: psycopg.Connection, query: Any, params: Any = None) -> tuple[Any, ...]:
+    """The query's one row (a query that returns no row here is a bug)."""
+    row = conn.execute(query, params).fetchone()
+    if row is None:
+        raise RuntimeError(f"query returned no row: {str(query)[:80]}")
+    return row
+
+
+def scalar(conn: psycopg.Connection, query: Any, params: Any = None) -> Any:
+    """The first column of the query's one row."""
+    return one(conn, query, params)[0]

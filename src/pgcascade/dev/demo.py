@@ -25,6 +25,7 @@ from rich.table import Table
 
 from pgcascade.core import pgconn
 from pgcascade.core.errors import RuntimeFailure
+from pgcascade.core.pgconn import one, scalar
 from pgcascade.dev.localcluster import new_cluster, pg_bindir
 from pgcascade.monitor.status import set_tree
 from pgcascade.replica import tables as subscriber
@@ -54,14 +55,14 @@ def status_view(conns: dict[str, psycopg.Connection], elapsed: float, note: str)
     for col in ("table", "root", "branch1", "leaf1"):
         t.add_column(col, justify="left" if col == "table" else "right")
     states = {
-        name: {st.table_name: st.state or "NULL" for st in subscriber.tables(conns[name], QUEUE)}
+        name: {st.table_name: str(st.state) for st in subscriber.tables(conns[name], QUEUE)}
         for name in ("branch1", "leaf1")
     }
     for table in FIRST + LATER:
         row = [table]
         for name, conn in conns.items():
-            exists = conn.execute("select to_regclass(%s) is not null", (table,)).fetchone()[0]
-            n = conn.execute(f"select count(*) from {table}").fetchone()[0] if exists else "-"
+            exists = scalar(conn, "select to_regclass(%s) is not null", (table,))
+            n = scalar(conn, f"select count(*) from {table}") if exists else "-"
             state = "" if name == "root" else f" ({states[name].get('public.' + table, 'not added')})"
             row.append(f"{n}{state}")
         t.add_row(*row)
@@ -133,7 +134,8 @@ def run_demo(seconds: float = 30.0, keep: bool = False) -> None:
                 live.update(status_view(conns, elapsed, note))
                 time.sleep(0.5)
             if load.returncode != 0:
-                raise RuntimeFailure(f"pgbench failed: {load.stderr.read().decode().strip()}")
+                err = load.stderr.read().decode().strip() if load.stderr else ""
+                raise RuntimeFailure(f"pgbench failed: {err}")
             live.update(status_view(conns, time.monotonic() - started, "pgbench done; waiting for sync"))
             for n in ("branch1", "leaf1"):
                 pgcascade(str(ini[n]), "wait-sync", "--timeout", "120")
@@ -149,8 +151,8 @@ def run_demo(seconds: float = 30.0, keep: bool = False) -> None:
                 f"clusters left running: {', '.join(f'{n} {db!r}' for n, db in dbs.items())}; configs in {work}"
             )
         else:
-            for c in clusters.values():
-                c.destroy()
+            for cluster in clusters.values():
+                cluster.destroy()
 
 
 def check_equal(console: Console, conns: dict[str, psycopg.Connection]) -> None:
@@ -159,7 +161,7 @@ def check_equal(console: Console, conns: dict[str, psycopg.Connection]) -> None:
         result.add_column(col)
     differ = []
     for t in FIRST + LATER:
-        sums = {n: c.execute(CHECKSUM.format(t)).fetchone() for n, c in conns.items()}
+        sums = {n: one(c, CHECKSUM.format(t)) for n, c in conns.items()}
         same = len(set(sums.values())) == 1
         differ += [] if same else [t]
         result.add_row(

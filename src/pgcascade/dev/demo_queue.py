@@ -23,6 +23,7 @@ from pgcascade.core.errors import RuntimeFailure
 from pgcascade.dev.localcluster import new_cluster
 from pgcascade.monitor.status import queue_tables
 from pgcascade.pgq import queue as q
+from pgcascade.pgq.consumer import Batch, Consumer
 
 QUEUE = "demo_queue"
 CONSUMER = "demo_consumer"
@@ -49,13 +50,13 @@ class Writer(threading.Thread):
                 time.sleep(0.002)
 
 
-class CountingConsumer(q.Consumer):
+class CountingConsumer(Consumer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.seen: list[int] = []
         self.batches = 0
 
-    def process_batch(self, batch: q.Batch) -> None:
+    def process_batch(self, batch: Batch) -> None:
         ids = [ev.ev_id for ev in batch.events()]
         self.seen.extend(ids)
         self.batches += 1

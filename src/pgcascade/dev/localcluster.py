@@ -20,6 +20,7 @@ from pathlib import Path
 import psycopg
 
 from pgcascade.core import pgconn
+from pgcascade.core.pgbin import pg_bindir
 
 DEFAULT_SETTINGS: dict[str, str] = {
     "wal_level": "logical",
@@ -34,18 +35,6 @@ DEFAULT_SETTINGS: dict[str, str] = {
     "max_locks_per_transaction": "256",
 }
 FAST_UNSAFE_SETTINGS = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
-
-
-def pg_bindir() -> Path:
-    """The PostgreSQL server binaries: $PGCASCADE_PG_BIN, else Debian's PostgreSQL 15 location."""
-    env = os.environ.get("PGCASCADE_PG_BIN")
-    candidates = [Path(env)] if env else []
-    candidates += [Path("/usr/lib/postgresql/15/bin")]
-    candidates += sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)
-    for c in candidates:
-        if (c / "initdb").exists():
-            return c
-    raise RuntimeError("PostgreSQL server binaries not found: run scripts/install.sh or set PGCASCADE_PG_BIN")
 
 
 def free_port() -> int:

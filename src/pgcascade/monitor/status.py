@@ -1,8 +1,9 @@
-"""What `status` prints: queues and consumers with their lag, as rich tables."""
+"""What `status` prints: the set's tree, this node's lag, tables per state, queues and
+consumers, capture and copy progress, as rich tables.  Read-only: every figure comes from the
+package that owns it."""
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 
 import psycopg
@@ -11,10 +12,13 @@ from rich.table import Table
 from rich.tree import Tree
 
 from pgcascade.capture import logical as walcapture
+from pgcascade.cascade.survey import Member, tree_rows
 from pgcascade.core import pgconn
-from pgcascade.core.errors import RuntimeFailure, db_error_line
+from pgcascade.core.errors import db_error_line
+from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
-from pgcascade.pgq.node import Node, get_node, provider_location
+from pgcascade.pgq.node import Node, provider_location
+from pgcascade.pipeline.copy import progress, progress_line
 from pgcascade.replica import tables as subscriber
 
 
@@ -84,15 +88,10 @@ def fmt_bytes(n: int | None) -> str:
 
 def print_capture_status(console: Console, conn: psycopg.Connection, queue: str) -> None:
     """The capture mode; for logical capture the slot, the WAL it retains and the capture lag."""
-    if not walcapture.is_logical(conn, queue):
+    r = walcapture.capture_status(conn, queue)
+    if r is None:
         console.print("capture: triggers")
         return
-    r = conn.execute(
-        "select slot_name, slot_exists, slot_active, retained_bytes, behind_bytes, wal_status,"
-        " now() - last_commit, now() - last_capture, last_error, last_error_time"
-        " from pgcascade.walcapture_status(%s)",
-        (queue,),
-    ).fetchone()
     slot, exists, active, retained, behind, wal_status, since_commit, since_capture, error, error_time = r
     if not exists:
         console.print(f"capture: logical, slot {slot} [red]missing[/red] (create-root --capture=logical)")
@@ -115,34 +114,31 @@ def node_lag(conn: psycopg.Connection, prov: psycopg.Connection | None, node: No
     out: dict = {"lag": None, "ticks_behind": None, "provider_reachable": prov is not None}
     if prov is None or node.last_tick is None:
         return out
-    row = prov.execute(
-        "select now() - (select tick_time from pgcascade.tick t join pgcascade.queue q on q.queue_id = t.tick_queue"
-        "                 where q.queue_name = %s and t.tick_id = %s),"
-        " (select last_tick_id from pgcascade.get_queue_info(%s))",
-        (node.queue_name, node.last_tick, node.queue_name),
-    ).fetchone()
-    out["lag"], last = row
+    out["lag"] = q.tick_age(prov, node.queue_name, node.last_tick)
+    last = q.last_tick_id(prov, node.queue_name)
     out["ticks_behind"] = None if last is None else max(last - node.last_tick, 0)
     return out
+
+
+def is_root(m: Member) -> bool:
+    return m.node is not None and m.node.role.is_root
 
 
 def set_tree(conn: psycopg.Connection, queue: str) -> Tree:
     """The set as a tree, root at the top: every node's type, lag behind the root (time and
     ticks), paused flag and last error; nodes that do not answer are marked."""
-    from pgcascade.cascade.ops import tree_rows
-
     members, info = tree_rows(conn, queue)
     by_name = {m.name: m for m in members}
 
-    def label(m) -> str:
+    def label(m: Member) -> str:
         if m.node is None:
             return f"[red]{m.name}[/red] " + ("dead" if m.dead else f"unreachable ({m.error})")
-        n, i = m.node, info.get(m.name, {})
+        n, i = m.node, info.get(m.name)
         text = f"[bold]{n.node_name}[/bold] {n.node_type}"
-        if n.node_type != "root" and i:
-            text += f", lag {fmt_interval(i['lag'])}, {i['behind']} ticks behind (tick {i['tick']})"
+        if not n.role.is_root and i:
+            text += f", lag {fmt_interval(i.lag)}, {i.behind} ticks behind (tick {i.tick})"
         elif i:
-            text += f", tick {i['tick']}"
+            text += f", tick {i.tick}"
         if n.paused:
             text += " [yellow]paused[/yellow]"
         if n.last_error:
@@ -165,9 +161,7 @@ def set_tree(conn: psycopg.Connection, queue: str) -> Tree:
         for child in sorted(children.get(name, [])):
             add(sub, child)
 
-    for name in sorted(
-        roots, key=lambda n: (by_name[n].node is None or by_name[n].node.node_type != "root", n)
-    ):
+    for name in sorted(roots, key=lambda n: (not is_root(by_name[n]), n)):
         add(tree, name)
     return tree
 
@@ -177,11 +171,7 @@ def watermark_table(conn: psycopg.Connection, queue: str) -> Table:
     t = Table(title="watermarks (rotation waits for the lowest)", title_justify="left")
     for col in ("node", "needs tick", "reported"):
         t.add_column(col, justify="left" if col == "node" else "right")
-    for name, wm, age in conn.execute(
-        "select node_name, watermark, now() - reported from pgcascade.node_watermark where queue_name = %s"
-        " order by watermark, node_name",
-        (queue,),
-    ):
+    for name, wm, age in nodes.watermarks(conn, queue):
         t.add_row(name, str(wm), fmt_interval(age) + " ago")
     return t
 
@@ -214,43 +204,11 @@ def print_node_status(conn: psycopg.Connection, node: Node) -> None:
     )
     states: dict[str, int] = {}
     for t in subscriber.tables(conn, node.queue_name):
-        states[t.state or "NULL"] = states.get(t.state or "NULL", 0) + 1
+        states[str(t.state)] = states.get(str(t.state), 0) + 1
     console.print("tables: " + (", ".join(f"{s}: {n}" for s, n in sorted(states.items())) or "none"))
-    from pgcascade.pipeline.copy import progress, progress_line
-
     for p in progress(conn, node.queue_name):
         if not p["finished"]:
             console.print(progress_line(p), highlight=False)
-    error = conn.execute(
-        "select last_error, last_error_time from pgcascade.node where queue_name = %s", (node.queue_name,)
-    ).fetchone()
-    if error and error[0]:
+    error = nodes.last_error(conn, node.queue_name)
+    if error:
         console.print(f"[red]last error[/red] ({error[1]:%Y-%m-%d %H:%M:%S}): {error[0]}")
-
-
-def wait_sync(conn: psycopg.Connection, prov: psycopg.Connection, node: Node, timeout: float) -> None:
-    """Wait until every table is ok and the node applied a tick taken after this call began."""
-    prov_node = get_node(prov, node.queue_name)
-    if prov_node is not None and prov_node.node_type == "root":
-        if walcapture.is_logical(prov, node.queue_name):
-            walcapture.wait_captured(prov, node.queue_name, timeout)  # the slot read up to now
-        target = q.ticker(prov, node.queue_name)  # a tick now: everything committed so far is in it
-    else:
-        target = prov.execute(
-            "select last_tick_id from pgcascade.get_queue_info(%s)", (node.queue_name,)
-        ).fetchone()[0]
-    deadline = time.monotonic() + timeout
-    while True:
-        tables = subscriber.tables(conn, node.queue_name)
-        last = conn.execute(
-            "select last_tick from pgcascade.node where queue_name = %s", (node.queue_name,)
-        ).fetchone()[0]
-        pending = [t.table_name for t in tables if t.state != "ok"]
-        if not pending and last is not None and last >= target:
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeFailure(
-                f"not in sync after {timeout:.0f}s: at tick {last} of {target}"
-                + (f"; tables not ok: {', '.join(pending)}" if pending else "")
-            )
-        time.sleep(0.1)

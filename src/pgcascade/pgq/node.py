@@ -1,58 +1,72 @@
-"""Cascade membership: which node this database is, its provider, and where nodes live.
+"""The node row of a cascaded queue (Skytools' pgq_node): which node this database is, its
+provider, where the set's nodes live, and the watermarks that hold history back.
 
-A set is one queue shared by its nodes.  The root owns the queue and captures changes; a leaf
-has no queue and replays its provider's batches.  A subscriber reads its provider's location
-from its own database (`node_location`), so changing provider needs no config edit.
+A set is one queue shared by its nodes.  The root owns the queue and captures changes; a branch
+replays its provider's batches and carries the queue; a leaf has no queue.  A subscriber reads
+its provider's location from its own database (`node_location`), so changing provider needs
+no config edit.  This module is the only one that reads or writes `pgcascade.node`,
+`node_location` and `node_watermark`.
 
 Role behaviour is decided once, in `NodeRole`, from the node type (the Skytools 3 table of
-what each node type does); the worker asks it instead of testing types everywhere.
+what each node type does); callers ask it instead of testing types.
 """
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import psycopg
-from psycopg.rows import class_row
 
-from pgcascade.core import pgconn, schema
+from pgcascade.core import schema
 from pgcascade.core.errors import RuntimeFailure, UserError
-from pgcascade.pgq import queue as q
+
+
+class NodeType(enum.StrEnum):
+    ROOT = "root"
+    BRANCH = "branch"
+    LEAF = "leaf"
 
 
 @dataclass(frozen=True)
 class NodeRole:
     """What a node of a given type does (seed 003, "Node behaviour")."""
 
-    node_type: str
+    node_type: NodeType
+
+    @property
+    def is_root(self) -> bool:
+        return self.node_type is NodeType.ROOT
 
     @property
     def has_queue(self) -> bool:
-        return self.node_type in ("root", "branch")
+        return self.node_type in (NodeType.ROOT, NodeType.BRANCH)
 
     @property
     def reads_provider_queue(self) -> bool:
-        return self.node_type in ("branch", "leaf")
+        return self.node_type in (NodeType.BRANCH, NodeType.LEAF)
 
     @property
     def copies_events(self) -> bool:
-        return self.node_type == "branch"
+        return self.node_type is NodeType.BRANCH
 
     @property
     def captures_changes(self) -> bool:
-        return self.node_type == "root"
+        return self.node_type is NodeType.ROOT
 
     @property
     def may_merge_ticks(self) -> bool:
         """A leaf cuts no batches of its own, so it may apply several ticks at once."""
-        return self.node_type == "leaf"
+        return self.node_type is NodeType.LEAF
 
 
 @dataclass
 class Node:
     queue_name: str
     node_name: str
-    node_type: str
+    node_type: NodeType
     provider_node: str | None
     worker_name: str | None
     last_tick: int | None
@@ -64,6 +78,22 @@ class Node:
     def role(self) -> NodeRole:
         return NodeRole(self.node_type)
 
+    @property
+    def consumer(self) -> str:
+        """Its consumer name on the provider's queue."""
+        return self.worker_name or self.node_name
+
+
+NODE_COLUMNS = "queue_name, node_name, node_type, provider_node, worker_name, last_tick, paused, last_error, combined_queue"
+
+
+def _node_row(cursor: psycopg.Cursor) -> Callable[[Sequence[Any]], Node]:
+    def make(values: Sequence[Any]) -> Node:
+        queue, name, node_type, *rest = values
+        return Node(queue, name, NodeType(node_type), *rest)
+
+    return make
+
 
 def get_node(conn: psycopg.Connection, queue_name: str) -> Node | None:
     # one round trip where it can (the worker asks every round); the schema check first
@@ -72,22 +102,16 @@ def get_node(conn: psycopg.Connection, queue_name: str) -> Node | None:
     if not idle and schema.installed_version(conn) == 0:
         return None
     try:
-        return _select_node(conn, queue_name)
+        with conn.cursor(row_factory=_node_row) as cur:
+            return cur.execute(
+                f"select {NODE_COLUMNS} from pgcascade.node where queue_name = %s", (queue_name,)
+            ).fetchone()
     except psycopg.errors.UndefinedTable:
         return None
     except psycopg.errors.UndefinedColumn:
         raise UserError(
             "the pgcascade schema in this database is older than this release: run `pgcascade CONFIG install`"
         ) from None
-
-
-def _select_node(conn: psycopg.Connection, queue_name: str) -> Node | None:
-    with conn.cursor(row_factory=class_row(Node)) as cur:
-        return cur.execute(
-            "select queue_name, node_name, node_type, provider_node, worker_name, last_tick, paused, last_error,"
-            " combined_queue from pgcascade.node where queue_name = %s",
-            (queue_name,),
-        ).fetchone()
 
 
 def require_node(conn: psycopg.Connection, queue_name: str) -> Node:
@@ -97,6 +121,128 @@ def require_node(conn: psycopg.Connection, queue_name: str) -> Node:
             f"this database is not a node of set {queue_name!r}: run create-root or create-leaf first"
         )
     return node
+
+
+def lock_node(conn: psycopg.Connection, queue_name: str) -> Node:
+    """The node row, locked until the transaction ends: a batch in flight is waited for, and
+    the next one is kept out."""
+    with conn.cursor(row_factory=_node_row) as cur:
+        node = cur.execute(
+            f"select {NODE_COLUMNS} from pgcascade.node where queue_name = %s for update", (queue_name,)
+        ).fetchone()
+    if node is None:
+        raise UserError(f"this database is not a node of set {queue_name!r}")
+    return node
+
+
+def insert_node(
+    conn: psycopg.Connection,
+    queue_name: str,
+    node_name: str,
+    node_type: NodeType,
+    provider: str | None = None,
+    last_tick: int | None = None,
+    combined_queue: str | None = None,
+) -> None:
+    conn.execute(
+        "insert into pgcascade.node (queue_name, node_name, node_type, provider_node, worker_name, last_tick,"
+        " combined_queue) values (%s, %s, %s, %s, %s, %s, %s)",
+        (
+            queue_name,
+            node_name,
+            node_type.value,
+            provider,
+            node_name if provider else None,
+            last_tick,
+            combined_queue,
+        ),
+    )
+
+
+def applied_tick(conn: psycopg.Connection, queue_name: str) -> int:
+    """The last tick this node applied (0 before the first)."""
+    row = conn.execute("select last_tick from pgcascade.node where queue_name = %s", (queue_name,)).fetchone()
+    return (row[0] if row else None) or 0
+
+
+def record_applied(conn: psycopg.Connection, queue_name: str, tick: int) -> None:
+    """The batch up to `tick` is applied: in the batch's own transaction (exactly once)."""
+    conn.execute(
+        "update pgcascade.node set last_tick = %s, last_error = null, last_error_time = null"
+        " where queue_name = %s",
+        (tick, queue_name),
+    )
+
+
+def record_error(conn: psycopg.Connection, queue_name: str, message: str | None) -> None:
+    """Store (or clear, with None) the node's last error, in a transaction of its own."""
+    conn.execute(
+        "update pgcascade.node set last_error = %s, last_error_time = case when %s::text is null then null"
+        " else now() end where queue_name = %s",
+        (message, message, queue_name),
+    )
+
+
+def last_error(conn: psycopg.Connection, queue_name: str) -> tuple[str, Any] | None:
+    """(message, time) of the node's last error, or None."""
+    row = conn.execute(
+        "select last_error, last_error_time from pgcascade.node where queue_name = %s", (queue_name,)
+    ).fetchone()
+    return (row[0], row[1]) if row and row[0] else None
+
+
+def set_paused(conn: psycopg.Connection, queue_name: str, paused: bool) -> None:
+    conn.execute("update pgcascade.node set paused = %s where queue_name = %s", (paused, queue_name))
+
+
+def set_provider(conn: psycopg.Connection, queue_name: str, provider: str) -> None:
+    conn.execute("update pgcascade.node set provider_node = %s where queue_name = %s", (provider, queue_name))
+
+
+def become_root(conn: psycopg.Connection, queue_name: str) -> None:
+    """The node row of a new root: no provider, resumed; it records the tick it took over from."""
+    conn.execute(
+        "update pgcascade.node set node_type = %s, provider_node = null, paused = false,"
+        " root_since_tick = last_tick, last_error = null, last_error_time = null where queue_name = %s",
+        (NodeType.ROOT.value, queue_name),
+    )
+
+
+def become_branch(conn: psycopg.Connection, queue_name: str, provider: str, tick: int) -> None:
+    """The node row of an old root: a paused branch of `provider` from `tick`."""
+    conn.execute(
+        "update pgcascade.node set node_type = %s, provider_node = %s, last_tick = %s, paused = true,"
+        " worker_name = coalesce(worker_name, node_name) where queue_name = %s",
+        (NodeType.BRANCH.value, provider, tick, queue_name),
+    )
+
+
+def root_since_tick(conn: psycopg.Connection, queue_name: str) -> int | None:
+    """The tick a root took over the set from (takeover), or None."""
+    row = conn.execute(
+        "select root_since_tick from pgcascade.node where queue_name = %s", (queue_name,)
+    ).fetchone()
+    return row[0] if row else None
+
+
+def forget_set(conn: psycopg.Connection, queue_name: str) -> None:
+    """This database stops being a node of the set: its node row, locations and watermarks go."""
+    for table in ("node_location", "node_watermark", "node"):
+        conn.execute(f"delete from pgcascade.{table} where queue_name = %s", (queue_name,))
+
+
+# --- locations ----------------------------------------------------------------------------------
+
+
+def locations(conn: psycopg.Connection, queue_name: str) -> dict[str, tuple[str, bool]]:
+    """node name -> (location, dead) of every node this node knows."""
+    return {
+        name: (loc, dead)
+        for name, loc, dead in conn.execute(
+            "select node_name, node_location, dead from pgcascade.node_location where queue_name = %s order by 1",
+            (queue_name,),
+        )
+    }
 
 
 def node_location(conn: psycopg.Connection, queue_name: str, node_name: str) -> str:
@@ -123,113 +269,53 @@ def set_location(conn: psycopg.Connection, queue_name: str, node_name: str, loca
     )
 
 
-def already_node(conn: psycopg.Connection, queue_name: str, node_name: str, node_type: str) -> bool:
-    """True if this database is that node already (creating it again is a no-op); an error if
-    it is another node of the set."""
-    existing = get_node(conn, queue_name)
-    if existing is None:
-        return False
-    if existing.node_name == node_name and existing.node_type == node_type:
-        return True
-    raise UserError(
-        f"this database is already node {existing.node_name} ({existing.node_type}) of {queue_name}"
-    )
-
-
-def create_root(conn: psycopg.Connection, queue_name: str, node_name: str, location: str) -> bool:
-    """Install the schema, create the set's queue and register this database as its root."""
-    schema.install(conn)
-    if already_node(conn, queue_name, node_name, "root"):
-        return False
-    with conn.transaction():
-        q.create_queue(conn, queue_name)
-        conn.execute(
-            "insert into pgcascade.node (queue_name, node_name, node_type) values (%s, %s, 'root')",
-            (queue_name, node_name),
-        )
-        set_location(conn, queue_name, node_name, location)
-    return True
-
-
-def create_subscriber(
-    conn: psycopg.Connection,
-    queue_name: str,
-    node_name: str,
-    node_type: str,
-    location: str,
-    provider_connstr: str,
-    merge: str | None = None,
-) -> bool:
-    """Install the schema here and make this database a leaf or a branch of the set: register
-    it as a consumer on the provider's queue and record the provider's view of the set's
-    locations.  A branch gets a queue of its own that starts at the tick it registered at,
-    and a copy of the set's table list (its own subscribers choose from it).  A leaf given
-    `merge` (a combined queue of this database) is a merge-leaf."""
-    schema.install(conn)
-    if already_node(conn, queue_name, node_name, node_type):
-        return False
-    if merge is not None:
-        combined = get_node(conn, merge)
-        if node_type != "leaf" or combined is None or not combined.role.has_queue:
-            raise UserError(
-                f"--merge={merge}: a merge-leaf needs the combined set's root or branch in this database first"
-            )
-    with pgconn.connect(provider_connstr, autocommit=True, connect_timeout=10) as prov:
-        pnode = get_node(prov, queue_name)
-        if pnode is None or not pnode.role.has_queue:
-            raise UserError(f"the provider is not a root or branch of set {queue_name!r}")
-        if pnode.node_name == node_name:
-            raise UserError(f"node name {node_name!r} is the provider's own name")
-        with prov.transaction():
-            q.register_consumer(prov, queue_name, node_name)
-            tick, tick_time, event_seq = prov.execute(
-                "select tick_id, tick_time, tick_event_seq from pgcascade.consumer_tick(%s, %s)",
-                (queue_name, node_name),
-            ).fetchone()
-            set_location(prov, queue_name, node_name, location)
-        locations = prov.execute(
-            "select node_name, node_location from pgcascade.node_location where queue_name = %s",
-            (queue_name,),
-        ).fetchall()
-        set_tables = prov.execute(
-            "select table_name, key_columns, event_format from pgcascade.set_table where queue_name = %s",
-            (queue_name,),
-        ).fetchall()
-    with conn.transaction():
-        if node_type == "branch":
-            conn.execute(
-                "select pgcascade.create_branch_queue(%s, %s, %s, %s)",
-                (queue_name, tick, tick_time, event_seq),
-            )
-            mirror_set_tables(conn, queue_name, set_tables)
-        conn.execute(
-            "insert into pgcascade.node (queue_name, node_name, node_type, provider_node, worker_name, last_tick,"
-            " combined_queue) values (%s, %s, %s, %s, %s, %s, %s)",
-            (queue_name, node_name, node_type, pnode.node_name, node_name, tick, merge),
-        )
-        for name, loc in locations:
-            set_location(conn, queue_name, name, loc)
-        set_location(conn, queue_name, pnode.node_name, provider_connstr)
-        set_location(conn, queue_name, node_name, location)
-    return True
-
-
-def mirror_set_tables(conn: psycopg.Connection, queue_name: str, rows: list[tuple]) -> None:
-    """A branch keeps the set's table list as its provider has it: its subscribers choose from
-    it, and it captures these tables if it becomes the root."""
-    conn.execute("delete from pgcascade.set_table where queue_name = %s", (queue_name,))
-    for table, keys, fmt in rows:
-        conn.execute(
-            "insert into pgcascade.set_table (queue_name, table_name, key_columns, event_format)"
-            " values (%s, %s, %s, %s)",
-            (queue_name, table, keys, fmt),
-        )
-
-
-def record_error(conn: psycopg.Connection, queue_name: str, message: str | None) -> None:
-    """Store (or clear, with None) the node's last error, in a transaction of its own."""
+def mark_dead(conn: psycopg.Connection, queue_name: str, node_name: str) -> None:
     conn.execute(
-        "update pgcascade.node set last_error = %s, last_error_time = case when %s::text is null then null"
-        " else now() end where queue_name = %s",
-        (message, message, queue_name),
+        "update pgcascade.node_location set dead = true where queue_name = %s and node_name = %s",
+        (queue_name, node_name),
     )
+
+
+def delete_location(conn: psycopg.Connection, queue_name: str, node_name: str) -> None:
+    conn.execute(
+        "delete from pgcascade.node_location where queue_name = %s and node_name = %s",
+        (queue_name, node_name),
+    )
+
+
+# --- watermarks ---------------------------------------------------------------------------------
+
+
+def local_watermark(conn: psycopg.Connection, queue_name: str) -> int | None:
+    """The lowest tick this node and the nodes below it still need."""
+    row = conn.execute("select pgcascade.local_watermark(%s)", (queue_name,)).fetchone()
+    return row[0] if row else None
+
+
+def set_subscriber_watermark(conn: psycopg.Connection, queue_name: str, node_name: str, tick: int) -> None:
+    """On a provider: node `node_name` (and the nodes below it) still needs ticks from `tick` on."""
+    conn.execute("select pgcascade.set_subscriber_watermark(%s, %s, %s)", (queue_name, node_name, tick))
+
+
+def watermarks(conn: psycopg.Connection, queue_name: str) -> list[tuple[str, int, Any]]:
+    """(node, tick it needs, age of the report) of every subscriber that reports here."""
+    return conn.execute(
+        "select node_name, watermark, now() - reported from pgcascade.node_watermark where queue_name = %s"
+        " order by watermark, node_name",
+        (queue_name,),
+    ).fetchall()
+
+
+def forget_watermark(conn: psycopg.Connection, queue_name: str, node_name: str) -> None:
+    conn.execute(
+        "delete from pgcascade.node_watermark where queue_name = %s and node_name = %s",
+        (queue_name, node_name),
+    )
+
+
+def global_watermark(conn: psycopg.Connection, queue_name: str) -> int | None:
+    """The oldest tick this node keeps for the set (its '.global_watermark' registration)."""
+    row = conn.execute(
+        "select last_tick from pgcascade.get_consumer_info(%s, '.global_watermark')", (queue_name,)
+    ).fetchone()
+    return row[0] if row else None

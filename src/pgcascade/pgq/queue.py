@@ -1,48 +1,25 @@
-"""The transactional queue, from Python: thin calls of the SQL API plus a streaming consumer.
+"""The transactional queue's API: one Python call per SQL function, the only place that does.
 
-The queue's correctness lives in the SQL functions (`sql/functions`): a batch is the events
+The queue's correctness lives in the SQL functions (`sql/pgq`): a batch is the events
 committed between two ticks (snapshots), and finishing it moves the consumer to the later tick.
-This module adds what only a client can do well:
-
-- `Batch.events()` streams the batch through a server-side cursor (`batch_event_sql`), so a
-  batch of ten million events is read in bounded memory;
-- `Consumer` runs the loop next_batch -> process_batch -> finish_batch, finishing a batch only
-  when `process_batch` returned, in the same transaction as the batch's retries.  A consumer
-  that dies or fails gets the same batch again.
-- Waiting for work uses LISTEN on the `pgcascade_tick` channel that every tick notifies,
-  rather than sleeping.
+Every package that reads or writes a queue - the consumer, the worker, the copy process, the
+cascade, the ticker - goes through these functions; `consumer.py` builds the streaming
+consumer on them.  Waiting for work uses LISTEN on `TICK_CHANNEL`, which every tick notifies.
 """
 
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 import psycopg
+from psycopg import sql
 from psycopg.rows import class_row
 
-from pgcascade.core import pgconn
-
-log = logging.getLogger(__name__)
+from pgcascade.core.pgconn import scalar
 
 TICK_CHANNEL = "pgcascade_tick"
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    ev_id: int
-    ev_time: datetime
-    ev_txid: int
-    ev_retry: int | None
-    ev_type: str | None
-    ev_data: str | None
-    ev_extra1: str | None
-    ev_extra2: str | None
-    ev_extra3: str | None
-    ev_extra4: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,51 +33,11 @@ class BatchInfo:
     prev_tick_event_seq: int
 
 
-class Batch:
-    """An open batch.  Read it with `events()`; `retry()` sends an event back for later."""
-
-    def __init__(self, conn: psycopg.Connection, info: BatchInfo, fetch_size: int = 5000):
-        assert info.batch_id is not None
-        self.conn = conn
-        self.info = info
-        self.batch_id: int = info.batch_id
-        self.fetch_size = fetch_size
-        self.retried = 0
-
-    def events(self) -> Iterator[Event]:
-        """The batch's events in ev_id order, fetched `fetch_size` at a time."""
-        sql = self.conn.execute("select pgcascade.batch_event_sql(%s)", (self.batch_id,)).fetchone()[0]
-        with self.conn.cursor(name=f"pgcascade_batch_{self.batch_id}", row_factory=class_row(Event)) as cur:
-            cur.itersize = self.fetch_size
-            cur.execute(sql)
-            yield from cur
-
-    def retry(self, ev: Event, seconds: float) -> None:
-        """Deliver `ev` again to this consumer after `seconds`, once this batch is finished."""
-        self.conn.execute(
-            "select pgcascade.event_retry_raw(%s, %s, now() + %s, %s, %s, %s, %s, %s, %s, %s, %s)",
-            (
-                self.batch_id,
-                ev.ev_id,
-                timedelta(seconds=seconds),
-                ev.ev_time,
-                ev.ev_retry,
-                ev.ev_type,
-                ev.ev_data,
-                ev.ev_extra1,
-                ev.ev_extra2,
-                ev.ev_extra3,
-                ev.ev_extra4,
-            ),
-        )
-        self.retried += 1
-
-
 # --- the SQL API, one call each -------------------------------------------------------------
 
 
 def create_queue(conn: psycopg.Connection, queue: str) -> bool:
-    return conn.execute("select pgcascade.create_queue(%s)", (queue,)).fetchone()[0] == 1
+    return scalar(conn, "select pgcascade.create_queue(%s)", (queue,)) == 1
 
 
 def drop_queue(conn: psycopg.Connection, queue: str, force: bool = False) -> None:
@@ -117,21 +54,24 @@ def insert_event(
     if len(extras) > 4:
         raise ValueError("at most 4 extra fields")
     extras = tuple(extras) + (None,) * (4 - len(extras))
-    row = conn.execute(
-        "select pgcascade.insert_event(%s, %s, %s, %s, %s, %s, %s)", (queue, ev_type, ev_data, *extras)
-    ).fetchone()
-    return int(row[0])
+    return int(
+        scalar(
+            conn,
+            "select pgcascade.insert_event(%s, %s, %s, %s, %s, %s, %s)",
+            (queue, ev_type, ev_data, *extras),
+        )
+    )
 
 
 def ticker(conn: psycopg.Connection, queue: str | None = None) -> int:
     """Tick `queue` now (returns the tick id), or every queue that needs it (returns the count)."""
     if queue is None:
-        return int(conn.execute("select pgcascade.ticker()").fetchone()[0])
-    return int(conn.execute("select pgcascade.ticker(%s)", (queue,)).fetchone()[0])
+        return int(scalar(conn, "select pgcascade.ticker()"))
+    return int(scalar(conn, "select pgcascade.ticker(%s)", (queue,)))
 
 
 def register_consumer(conn: psycopg.Connection, queue: str, consumer: str) -> bool:
-    return conn.execute("select pgcascade.register_consumer(%s, %s)", (queue, consumer)).fetchone()[0] == 1
+    return scalar(conn, "select pgcascade.register_consumer(%s, %s)", (queue, consumer)) == 1
 
 
 def unregister_consumer(conn: psycopg.Connection, queue: str, consumer: str) -> None:
@@ -140,87 +80,171 @@ def unregister_consumer(conn: psycopg.Connection, queue: str, consumer: str) -> 
 
 def next_batch_info(conn: psycopg.Connection, queue: str, consumer: str) -> BatchInfo:
     with conn.cursor(row_factory=class_row(BatchInfo)) as cur:
-        return cur.execute("select * from pgcascade.next_batch_info(%s, %s)", (queue, consumer)).fetchone()
+        row = cur.execute("select * from pgcascade.next_batch_info(%s, %s)", (queue, consumer)).fetchone()
+    assert row is not None
+    return row
 
 
 def finish_batch(conn: psycopg.Connection, batch_id: int) -> None:
     conn.execute("select pgcascade.finish_batch(%s)", (batch_id,))
 
 
-def queue_info(conn: psycopg.Connection, queue: str | None = None) -> list[dict]:
+def next_batch(
+    conn: psycopg.Connection,
+    queue: str,
+    consumer: str,
+    max_events: int | None = None,
+    max_tick: int | None = None,
+) -> BatchInfo:
+    """The consumer's next batch: several ticks at once up to about `max_events` events, never
+    past `max_tick` (next_batch_custom)."""
+    with conn.cursor(row_factory=class_row(BatchInfo)) as cur:
+        row = cur.execute(
+            "select * from pgcascade.next_batch_custom(%s, %s, %s, %s)",
+            (queue, consumer, max_events, max_tick),
+        ).fetchone()
+    assert row is not None
+    return row
+
+
+def resume_at(conn: psycopg.Connection, queue: str, consumer: str, tick: int) -> None:
+    """Put a consumer back at `tick`, the last tick it applied durably elsewhere."""
+    conn.execute("select pgcascade.set_consumer_position(%s, %s, %s)", (queue, consumer, tick))
+
+
+def register_consumer_at(conn: psycopg.Connection, queue: str, consumer: str, tick: int) -> None:
+    conn.execute("select pgcascade.register_consumer_at(%s, %s, %s)", (queue, consumer, tick))
+
+
+def consumer_tick(conn: psycopg.Connection, queue: str, consumer: str) -> tuple[int, datetime, int] | None:
+    """(tick id, time, event sequence) of the tick a consumer is at; None when not registered."""
+    return conn.execute(
+        "select tick_id, tick_time, tick_event_seq from pgcascade.consumer_tick(%s, %s)", (queue, consumer)
+    ).fetchone()
+
+
+def consumer_last_tick(conn: psycopg.Connection, queue: str, consumer: str) -> int | None:
+    row = conn.execute(
+        "select last_tick from pgcascade.get_consumer_info(%s, %s)", (queue, consumer)
+    ).fetchone()
+    return row[0] if row else None
+
+
+def unregister_consumers(conn: psycopg.Connection, queue: str, name: str, prefix: str) -> None:
+    """Unregister consumer `name` and every consumer whose name starts with `prefix`."""
+    conn.execute(
+        "select pgcascade.unregister_consumer(%s, s.consumer_name) from pgcascade.get_consumer_info(%s) s"
+        " where s.consumer_name = %s or starts_with(s.consumer_name, %s)",
+        (queue, queue, name, prefix),
+    )
+
+
+def last_tick_id(conn: psycopg.Connection, queue: str) -> int | None:
+    """The newest tick of the queue."""
+    row = conn.execute("select last_tick_id from pgcascade.get_queue_info(%s)", (queue,)).fetchone()
+    return row[0] if row else None
+
+
+def has_tick(conn: psycopg.Connection, queue: str, tick: int) -> bool:
+    row = conn.execute(
+        "select exists (select 1 from pgcascade.tick t join pgcascade.queue q on q.queue_id = t.tick_queue"
+        " where q.queue_name = %s and t.tick_id = %s)",
+        (queue, tick),
+    ).fetchone()
+    return bool(row and row[0])
+
+
+def tick_age(conn: psycopg.Connection, queue: str, tick: int) -> timedelta | None:
+    """How long ago tick `tick` was made; None when the queue no longer has it."""
+    row = conn.execute(
+        "select now() - t.tick_time from pgcascade.tick t join pgcascade.queue q on q.queue_id = t.tick_queue"
+        " where q.queue_name = %s and t.tick_id = %s",
+        (queue, tick),
+    ).fetchone()
+    return row[0] if row else None
+
+
+def tick_covers_snapshot(conn: psycopg.Connection, queue: str, tick: int, snapshot: str) -> bool:
+    """Whether tick `tick` was taken after every transaction visible in `snapshot`."""
+    row = conn.execute(
+        "select pgcascade.tick_covers_snapshot(%s, %s, %s::pg_snapshot)", (queue, tick, snapshot)
+    ).fetchone()
+    return bool(row and row[0])
+
+
+def batch_event_sql(conn: psycopg.Connection, batch_id: int) -> str:
+    """The query that reads a batch's events (composed by the queue, with quoted literals)."""
+    row = conn.execute("select pgcascade.batch_event_sql(%s)", (batch_id,)).fetchone()
+    assert row is not None
+    return row[0]
+
+
+def exists(conn: psycopg.Connection, queue: str) -> bool:
+    row = conn.execute(
+        "select exists (select 1 from pgcascade.queue where queue_name = %s)", (queue,)
+    ).fetchone()
+    return bool(row and row[0])
+
+
+def wake_consumers(conn: psycopg.Connection, queue: str) -> None:
+    """Wake every consumer waiting on the tick channel now, not at the next tick."""
+    conn.execute("select pg_notify(%s, %s)", (TICK_CHANNEL, queue))
+
+
+def listen(conn: psycopg.Connection) -> None:
+    conn.execute(f"listen {TICK_CHANNEL}")
+
+
+# --- cascaded queues (a branch carries its provider's batches, pgq_node) ------------------------
+
+
+def create_branch_queue(
+    conn: psycopg.Connection, queue: str, tick: int, tick_time: datetime, event_seq: int
+) -> None:
+    """A branch's own copy of the set's queue, starting at the provider's tick `tick`."""
+    conn.execute("select pgcascade.create_branch_queue(%s, %s, %s, %s)", (queue, tick, tick_time, event_seq))
+
+
+def branch_tick(
+    conn: psycopg.Connection, queue: str, tick: int, tick_time: datetime | None, event_seq: int | None
+) -> None:
+    """Make the provider's tick `tick` in this node's queue, with the same id (time: now when None)."""
+    conn.execute(
+        "select pgcascade.branch_tick(%s, %s, coalesce(%s::timestamptz, now()), %s)",
+        (queue, tick, tick_time, event_seq),
+    )
+
+
+def carry_events(conn: psycopg.Connection, queue: str, source: str) -> int:
+    """Insert the events staged in temp table `source` into this node's queue, each with its
+    provider's id, time and fields (the transaction id is this node's own, as local ticks need)."""
+    return conn.execute(
+        sql.SQL(
+            "insert into pgcascade.event (ev_id, ev_time, ev_part, ev_type, ev_data, ev_extra1, ev_rare)"
+            " select s.ev_id, s.ev_time, q.queue_id * 16 + q.queue_cur_table, s.ev_type, s.ev_data, s.ev_extra1,"
+            "        case when s.ev_extra2 is not null or s.ev_extra3 is not null or s.ev_extra4 is not null"
+            "             then row(s.ev_extra2, s.ev_extra3, s.ev_extra4, null, null)::pgcascade.event_rare end"
+            "   from {} s, pgcascade.queue q where q.queue_name = %s order by s.ev_id"
+        ).format(sql.SQL(source)),
+        (queue,),
+    ).rowcount
+
+
+def emit_event(
+    conn: psycopg.Connection, queue: str, ev_type: str, data: str | None, extra1: str | None
+) -> None:
+    """An event of the root's own (table list, DDL): on a root with logical capture it travels
+    through the WAL, so it keeps its place among the row changes."""
+    conn.execute("select pgcascade.emit_event(%s, %s, %s, %s)", (queue, ev_type, data, extra1))
+
+
+def queue_info(conn: psycopg.Connection, queue: str | None = None) -> list[dict[str, Any]]:
     with conn.cursor(row_factory=psycopg.rows.dict_row) as cur:
         return cur.execute("select * from pgcascade.get_queue_info(%s)", (queue,)).fetchall()
 
 
 def consumer_info(
     conn: psycopg.Connection, queue: str | None = None, consumer: str | None = None
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     with conn.cursor(row_factory=psycopg.rows.dict_row) as cur:
         return cur.execute("select * from pgcascade.get_consumer_info(%s, %s)", (queue, consumer)).fetchall()
-
-
-class Consumer:
-    """Base class for queue consumers: subclass it and implement `process_batch`.
-
-    The batch is finished only after `process_batch` returns, in one transaction with the
-    retries it asked for.  If it raises (or the process dies), nothing is finished and the
-    same batch comes back on the next call.  Work done elsewhere (another database) is
-    exactly-once only if it records the batch's tick id there - replication does that.
-    """
-
-    def __init__(self, connstr: str, queue: str, consumer: str, fetch_size: int = 5000):
-        self.connstr = connstr
-        self.queue = queue
-        self.consumer = consumer
-        self.fetch_size = fetch_size
-        self._conn: psycopg.Connection | None = None
-        self.stopping = False
-
-    @property
-    def conn(self) -> psycopg.Connection:
-        if self._conn is None or self._conn.closed:
-            self._conn = pgconn.connect(self.connstr, autocommit=True)
-            self._conn.execute(f"listen {TICK_CHANNEL}")
-        return self._conn
-
-    def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-    def register(self) -> bool:
-        return register_consumer(self.conn, self.queue, self.consumer)
-
-    def unregister(self) -> None:
-        unregister_consumer(self.conn, self.queue, self.consumer)
-
-    def process_batch(self, batch: Batch) -> None:
-        """Handle one batch; iterate `batch.events()`.  Raise to leave the batch unfinished."""
-        raise NotImplementedError
-
-    def run_once(self) -> BatchInfo | None:
-        """Process the next batch if there is one; returns its info, or None when idle."""
-        conn = self.conn
-        info = next_batch_info(conn, self.queue, self.consumer)
-        if info.batch_id is None:
-            return None
-        with conn.transaction():
-            self.process_batch(Batch(conn, info, self.fetch_size))
-            finish_batch(conn, info.batch_id)
-        return info
-
-    def wait_for_tick(self, timeout: float) -> None:
-        """Sleep until a tick is announced on any queue of this database, or `timeout` passes."""
-        for _ in self.conn.notifies(timeout=timeout, stop_after=1):
-            pass
-
-    def run(self, max_idle: float = 1.0, stop_after: float | None = None) -> None:
-        """Process batches until `stop()` or until `stop_after` seconds have passed."""
-        deadline = None if stop_after is None else time.monotonic() + stop_after
-        while not self.stopping and (deadline is None or time.monotonic() < deadline):
-            if self.run_once() is None:
-                self.wait_for_tick(max_idle)
-
-    def stop(self) -> None:
-        """Make `run()` return after the batch in hand (callable from another thread)."""
-        self.stopping = True

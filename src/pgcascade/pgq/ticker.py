@@ -21,6 +21,7 @@ from pgcascade.core import pgconn
 from pgcascade.core.config import JobConfig
 from pgcascade.core.daemon import Daemon
 from pgcascade.core.errors import db_error_line
+from pgcascade.core.pgconn import scalar
 
 log = logging.getLogger("pgcascade.ticker")
 
@@ -92,8 +93,8 @@ class Ticker(Daemon):
     # --- which databases ---
     def configured_databases(self) -> dict[str, str] | None:
         """name -> connstr of the databases named in the config, or None to discover them."""
-        if self.cfg.database_list:
-            return {d: conninfo_for(self.cfg.base_connstr, d) for d in self.cfg.database_list}
+        if self.settings.database_list:
+            return {d: conninfo_for(self.settings.base_connstr, d) for d in self.settings.database_list}
         if self.cfg.db:
             dbname = psycopg.conninfo.conninfo_to_dict(self.cfg.db).get("dbname", "db")
             return {str(dbname): self.cfg.db}
@@ -103,16 +104,18 @@ class Ticker(Daemon):
         """Every database of the server (through initial_database) that has pgcascade installed."""
         found: dict[str, str] = {}
         with pgconn.connect(
-            conninfo_for(self.cfg.base_connstr, self.cfg.initial_database), autocommit=True, connect_timeout=5
+            conninfo_for(self.settings.base_connstr, self.settings.initial_database),
+            autocommit=True,
+            connect_timeout=5,
         ) as conn:
             names = [
                 r[0] for r in conn.execute("select datname from pg_database where datallowconn order by 1")
             ]
         for name in names:
-            cs = conninfo_for(self.cfg.base_connstr, name)
+            cs = conninfo_for(self.settings.base_connstr, name)
             try:
                 with pgconn.connect(cs, autocommit=True, connect_timeout=5) as c:
-                    if c.execute("select to_regclass('pgcascade.queue') is not null").fetchone()[0]:
+                    if scalar(c, "select to_regclass('pgcascade.queue') is not null"):
                         found[name] = cs
             except psycopg.Error:
                 continue
@@ -160,11 +163,11 @@ class Ticker(Daemon):
 
     def serve(self, db: DatabaseTicker, now: float) -> None:
         conn = db.connect()
-        n = conn.execute("select pgcascade.ticker()").fetchone()[0]
+        n = scalar(conn, "select pgcascade.ticker()")
         db.ticks += n
         if now >= db.next_retry:
             db.next_retry = now + self.settings.retry_period
-            moved = conn.execute("select pgcascade.maint_retry_events()").fetchone()[0]
+            moved = scalar(conn, "select pgcascade.maint_retry_events()")
             if moved:
                 log.info("db %s: maint_retry_events: %d events back in their queues", db.name, moved)
         if now >= db.next_maint:
@@ -183,7 +186,7 @@ class Ticker(Daemon):
             call = sql.SQL("select {}({})").format(
                 sql.Identifier(schema, fname), sql.Literal(arg) if arg is not None else sql.SQL("")
             )
-            result = conn.execute(call).fetchone()[0]
+            result = scalar(conn, call)
             if result:
                 log.info("db %s: %s(%s): %s", db.name, fname, arg or "", result)
 

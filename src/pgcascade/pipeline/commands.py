@@ -49,8 +49,8 @@ def repair(cfg: JobConfig, tables: list[str], output: str | None, apply: bool, p
             out = open_output(output)
             if out is not sys.stdout:
                 stack.enter_context(out)
-            conn = stack.enter_context(pgconn.connect(cmp.point.sub_dsn, autocommit=True))
-            writer = SqlWriter(out, conn, cmp.ctx.specs)
+            conn = stack.enter_context(pgconn.connect(cmp.sync.sub_dsn, autocommit=True))
+            writer = SqlWriter(out, conn, cmp.task.specs)
 
         def on_row(result: TableResult, row: dict) -> None:
             if writer is not None:
@@ -61,12 +61,12 @@ def repair(cfg: JobConfig, tables: list[str], output: str | None, apply: bool, p
         results = cmp.run(spark, on_row)
         if writer is not None:
             writer.close()
-        specs = cmp.ctx.specs
+        specs = cmp.task.specs
     write_report(results, sys.stderr if output == "-" else sys.stdout)
     differing = sum(r.missing + r.extra + r.different for r in results)
     if spool is not None and differing:
         prog.step(f"applying the fix of {differing} row(s) under a new sync point")
-        n = apply_fix(cfg.db, cfg.queue_name, specs, spool, cmp.settings.sync_timeout)
+        n = apply_fix(cmp.db, cmp.queue, specs, spool, cmp.settings.sync_timeout)
         prog.step(f"applied: {n} row(s) replaced by the provider's")
         return EXIT_EQUAL
     return EXIT_EQUAL if differing == 0 else EXIT_DIFFERENT
@@ -88,7 +88,7 @@ def compact(cfg: JobConfig) -> None:
     from pgcascade.core.errors import UserError
     from pgcascade.pipeline.sink import compact as run_compact
 
-    path = cfg.raw.get("sink_path", "").strip()
+    path = cfg.pipeline.sink_path
     if not path:
         raise UserError("sink compact needs --path DIR (or sink_path in the config)")
     prog = Progress(True)

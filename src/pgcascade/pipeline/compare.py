@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import psycopg
 from psycopg import sql
@@ -32,11 +33,13 @@ from psycopg import sql
 from pgcascade.core import catalog, pgconn
 from pgcascade.core.config import JobConfig
 from pgcascade.core.errors import UserError
+from pgcascade.core.pgconn import one, scalar
 from pgcascade.pgq import node as nodes
 from pgcascade.pipeline import segments as sg
 from pgcascade.pipeline.consistency import DEFAULT_SYNC_TIMEOUT, SyncPoint, sync_point
 from pgcascade.replica import tables as subscriber
 
+T = TypeVar("T")
 log = logging.getLogger("pgcascade.pipeline")
 
 SIDES = ("prov", "sub")
@@ -100,7 +103,7 @@ class BothSides:
             self.close()
             raise
 
-    def both(self, fn: Callable[[psycopg.Connection, str], object]) -> dict[str, object]:
+    def both(self, fn: Callable[[psycopg.Connection, str], T]) -> dict[str, T]:
         futures = {side: self.pool.submit(fn, conn, side) for side, conn in self.conns.items()}
         return {side: f.result() for side, f in futures.items()}
 
@@ -234,24 +237,8 @@ class Settings:
 
     @classmethod
     def from_config(cls, cfg: JobConfig) -> Settings:
-        def num(key: str, default, conv):
-            raw = cfg.raw.get(key, "").strip()
-            if not raw:
-                return default
-            try:
-                v = conv(raw)
-            except ValueError:
-                raise UserError(f"{key} = {raw!r}: must be a positive number") from None
-            if v <= 0:
-                raise UserError(f"{key} = {raw!r}: must be a positive number")
-            return v
-
-        return cls(
-            segment_rows=num("compare_segment_rows", cls.segment_rows, int),
-            bucket_rows=num("compare_bucket_rows", cls.bucket_rows, int),
-            max_segments=num("compare_max_segments", cls.max_segments, int),
-            sync_timeout=num("sync_timeout", cls.sync_timeout, float),
-        )
+        s = cfg.pipeline
+        return cls(s.compare_segment_rows, s.compare_bucket_rows, s.compare_max_segments, s.sync_timeout)
 
 
 def chosen_tables(sub: psycopg.Connection, queue: str, names: list[str]) -> list[subscriber.SubscriberTable]:
@@ -270,7 +257,7 @@ def chosen_tables(sub: psycopg.Connection, queue: str, names: list[str]) -> list
         picked = replicated
     if not picked:
         raise UserError("no tables are replicated here: nothing to compare")
-    not_ok = [f"{t.table_name} ({t.state or 'NULL'})" for t in picked if t.state != "ok"]
+    not_ok = [f"{t.table_name} ({t.state})" for t in picked if not t.state.is_ok]
     if not_ok:
         raise UserError(f"tables not in sync yet (state is not ok): {', '.join(not_ok)}")
     return picked
@@ -301,7 +288,8 @@ class Comparison:
         if not cfg.db or not cfg.queue_name:
             raise UserError(f"{cfg.path}: db and queue_name must be set")
         self.cfg = cfg
-        self.queue = cfg.queue_name
+        self.db: str = cfg.db
+        self.queue: str = cfg.queue_name
         self.settings = Settings.from_config(cfg)
         self.progress = progress or Progress(False)
         with pgconn.connect(cfg.db, autocommit=True, connect_timeout=10) as sub:
@@ -309,41 +297,49 @@ class Comparison:
         self.point: SyncPoint | None = None
         self.ctx: TaskContext | None = None
 
+    @property
+    def sync(self) -> SyncPoint:
+        assert self.point is not None, "used outside `with Comparison(...)`"
+        return self.point
+
+    @property
+    def task(self) -> TaskContext:
+        assert self.ctx is not None, "used outside `with Comparison(...)`"
+        return self.ctx
+
     def __enter__(self) -> Comparison:
         self.progress.step(
             f"sync point: locking {len(self.tables)} provider table(s), waiting for the subscriber"
         )
-        self.point = sync_point(self.cfg.db, self.queue, self.tables, self.settings.sync_timeout)
+        self.point = sync_point(self.db, self.queue, self.tables, self.settings.sync_timeout)
         self.progress.step(
-            f"sync point at tick {self.point.tick} (provider locked {self.point.locked_for:.2f} s)"
+            f"sync point at tick {self.sync.tick} (provider locked {self.sync.locked_for:.2f} s)"
         )
         with (
-            pgconn.connect(self.point.prov_dsn, autocommit=True) as prov,
-            pgconn.connect(self.point.sub_dsn, autocommit=True) as sub,
+            pgconn.connect(self.sync.prov_dsn, autocommit=True) as prov,
+            pgconn.connect(self.sync.sub_dsn, autocommit=True) as sub,
         ):
             specs = tuple(
                 sg.table_spec(i, prov, sub, t.table_name, t.dest_table, t.key_columns)
                 for i, t in enumerate(self.tables)
             )
         self.ctx = TaskContext(
-            self.point.prov_dsn, self.point.sub_dsn, self.point.prov_snapshot, self.point.sub_snapshot, specs
+            self.sync.prov_dsn, self.sync.sub_dsn, self.sync.prov_snapshot, self.sync.sub_snapshot, specs
         )
         return self
 
     def __exit__(self, *exc) -> None:
         if self.point is not None:
-            self.point.close()
+            self.sync.close()
 
     def count_only(self) -> list[TableResult]:
         """The seed's cheap check: count(*) on both sides, under the snapshots."""
         out = []
-        holders = dict(zip(SIDES, self.point.holders, strict=True))
-        for spec in self.ctx.specs:
+        holders = dict(zip(SIDES, self.sync.holders, strict=True))
+        for spec in self.task.specs:
             r = TableResult(spec)
             r.rows, r.sub_rows = (
-                holders[side]
-                .execute(sql.SQL("select count(*) from {}").format(spec.relation(side)))
-                .fetchone()[0]
+                scalar(holders[side], sql.SQL("select count(*) from {}").format(spec.relation(side)))
                 for side in SIDES
             )
             out.append(r)
@@ -353,17 +349,19 @@ class Comparison:
     def plan(self) -> list[Segment]:
         st = self.settings
         segs: list[Segment] = []
-        with BothSides(self.ctx) as sides:
+        with BothSides(self.task) as sides:
             prov = sides.conns["prov"]
-            for spec in self.ctx.specs:
+            for spec in self.task.specs:
                 cuts = sg.split_points(prov, spec, st.segment_rows, st.max_segments)
                 bounds = [None, *cuts, None]
                 per = st.segment_rows if cuts else None
                 if per is None:  # one range: size its buckets by the table's estimate
                     per = max(
-                        prov.execute(
-                            "select reltuples::int8 from pg_class where oid = %s::regclass", (spec.table,)
-                        ).fetchone()[0],
+                        scalar(
+                            prov,
+                            "select reltuples::int8 from pg_class where oid = %s::regclass",
+                            (spec.table,),
+                        ),
                         1,
                     )
                 count = sg.buckets_for(per, st.bucket_rows)
@@ -374,11 +372,11 @@ class Comparison:
 
     def run(self, spark, on_row: Callable[[TableResult, dict], None] | None = None) -> list[TableResult]:
         """Compare every table; on_row(result, row) receives each differing row as it streams in."""
-        results = [TableResult(spec) for spec in self.ctx.specs]
+        results = [TableResult(spec) for spec in self.task.specs]
         segs = self.plan()
         self.progress.step(f"checksums of {len(segs)} key range(s) of {len(results)} table(s) on both sides")
         done, last = 0, time.monotonic()
-        for row in compare_ranges(spark, self.ctx, segs).toLocalIterator(prefetchPartitions=True):
+        for row in compare_ranges(spark, self.task, segs).toLocalIterator(prefetchPartitions=True):
             res = results[row["tidx"]]
             kind = row["kind"]
             if kind is None:  # a range's summary
@@ -411,9 +409,9 @@ def integer_key_ends(sides: BothSides, spec: sg.TableSpec) -> tuple[int, int] | 
         return None
     k = sql.Identifier(spec.keys[0])
     got = sides.both(
-        lambda conn, side: conn.execute(
-            sql.SQL("select min({})::int8, max({})::int8 from {}").format(k, k, spec.relation(side))
-        ).fetchone()
+        lambda conn, side: one(
+            conn, sql.SQL("select min({})::int8, max({})::int8 from {}").format(k, k, spec.relation(side))
+        )
     )
     lows = [lo for lo, _ in got.values() if lo is not None]
     highs = [hi for _, hi in got.values() if hi is not None]

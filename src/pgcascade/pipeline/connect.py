@@ -23,13 +23,13 @@ from pgcascade.pipeline.session import LOG4J, jdbc_jar, spark_settings
 
 
 def server_dir(cfg: JobConfig) -> Path:
-    d = Path(cfg.raw.get("spark_server_dir", "").strip() or "~/.pgcascade/spark-server").expanduser()
+    d = cfg.pipeline.spark_server_dir.expanduser()
     d.mkdir(parents=True, exist_ok=True)
     return d
 
 
 def port(cfg: JobConfig) -> int:
-    return int(cfg.raw.get("spark_server_port", "").strip() or 15002)
+    return cfg.pipeline.spark_server_port
 
 
 def environment(cfg: JobConfig) -> dict[str, str]:
@@ -75,7 +75,7 @@ def start(cfg: JobConfig, timeout: float = 60.0) -> str:
         **spark_settings(cfg),
     }
     args = [str(Path(env["SPARK_HOME"]) / "sbin" / "start-connect-server.sh")]
-    args += ["--master", cfg.raw.get("spark_master", "").strip() or "local[*]"]
+    args += ["--master", cfg.pipeline.spark_master]
     for k, v in confs.items():
         args += ["--conf", f"{k}={v}"]
     subprocess.run(args, env=env, cwd=d, check=True, capture_output=True)

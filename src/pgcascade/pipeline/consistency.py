@@ -25,6 +25,7 @@ from psycopg import sql
 
 from pgcascade.core import pgconn
 from pgcascade.core.errors import RuntimeFailure, UserError, db_error_line
+from pgcascade.core.pgconn import scalar
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
 from pgcascade.pipeline.segments import SESSION_SETTINGS
@@ -61,24 +62,22 @@ def snapshot_holder(dsn: str) -> tuple[psycopg.Connection, str]:
     conn.autocommit = False
     conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
     conn.read_only = True
-    snap = conn.execute("select pg_export_snapshot()").fetchone()[0]
+    snap = scalar(conn, "select pg_export_snapshot()")
     return conn, snap
 
 
 def target_tick(prov: psycopg.Connection, queue: str) -> int:
     pnode = nodes.get_node(prov, queue)
-    if pnode is not None and pnode.node_type == "root":
+    if pnode is not None and pnode.role.is_root:
         return q.ticker(prov, queue)
-    return prov.execute("select last_tick_id from pgcascade.get_queue_info(%s)", (queue,)).fetchone()[0]
+    return q.last_tick_id(prov, queue) or 0
 
 
 def wait_applied(sub: psycopg.Connection, queue: str, tick: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:
-        last = sub.execute("select last_tick from pgcascade.node where queue_name = %s", (queue,)).fetchone()[
-            0
-        ]
-        if last is not None and last >= tick:
+        last = nodes.applied_tick(sub, queue)
+        if last >= tick:
             return
         if time.monotonic() >= deadline:
             raise RuntimeFailure(

@@ -21,10 +21,8 @@ that the S2 ranges already contain are applied again to the same result.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
-import json
 import logging
 import os
 import threading
@@ -35,47 +33,38 @@ from psycopg import sql
 
 from pgcascade.core import catalog, copystream, pgconn
 from pgcascade.core.config import JobConfig
-from pgcascade.core.errors import UserError
-from pgcascade.pgq import queue as q
+from pgcascade.core.pgconn import one, scalar
 from pgcascade.pipeline import segments as sg
+from pgcascade.replica import state as states
 from pgcascade.replica import tables as subscriber
 from pgcascade.replica.apply import APPLY_SETTINGS
+from pgcascade.replica.copy import CopyProcess
+from pgcascade.replica.definitions import SavedDefinitions
 
 log = logging.getLogger("pgcascade.copy")
 
-DEFAULT_MIN_ROWS = 5_000_000
-DEFAULT_RANGE_ROWS = 2_000_000  # ~2 s of work here; each range costs set-up, a resume loses at most one
 PROGRESS_EVERY = 5.0
 
 
 def min_rows(cfg: JobConfig) -> int | None:
     """spark_copy_min_rows: tables with at least this many rows (estimated) copy through Spark;
     0 or off: never."""
-    raw = cfg.raw.get("spark_copy_min_rows", "").strip().lower()
-    if raw in ("0", "off", "no", "false"):
-        return None
-    if not raw:
-        return DEFAULT_MIN_ROWS
-    try:
-        return int(raw)
-    except ValueError:
-        raise UserError(f"spark_copy_min_rows = {raw!r}: must be a number of rows, or off") from None
+    return cfg.pipeline.spark_copy_min_rows
 
 
 def estimated_rows(prov: psycopg.Connection, table: str) -> int:
-    est = prov.execute("select reltuples::int8 from pg_class where oid = %s::regclass", (table,)).fetchone()[
-        0
-    ]
+    est = scalar(prov, "select reltuples::int8 from pg_class where oid = %s::regclass", (table,))
     if est is None or est < 0:  # never analysed
-        est = prov.execute(sql.SQL("select count(*) from {}").format(sql.SQL(table))).fetchone()[0]
+        est = scalar(prov, sql.SQL("select count(*) from {}").format(sql.SQL(table)))
     return est
 
 
 def has_plan(sub: psycopg.Connection, queue: str, table: str) -> bool:
-    return sub.execute(
+    return scalar(
+        sub,
         "select exists (select 1 from pgcascade.copy_plan where queue_name = %s and table_name = %s and finished is null)",
         (queue, table),
-    ).fetchone()[0]
+    )
 
 
 def wanted(cfg: JobConfig, sub: psycopg.Connection, prov: psycopg.Connection, queue: str, table: str) -> bool:
@@ -99,25 +88,10 @@ def forget_plan(sub: psycopg.Connection, queue: str, table: str) -> None:
         if row[1] is None:
             st = subscriber.get_table(sub, queue, table)
             if st is not None and catalog.table_exists(sub, st.dest_table):
-                definitions_from_json(row[0]).restore(sub)
+                SavedDefinitions.from_json(row[0]).restore(sub)
         sub.execute(
             "delete from pgcascade.copy_plan where queue_name = %s and table_name = %s", (queue, table)
         )
-
-
-def definitions_to_json(saved) -> str:
-    return json.dumps(
-        {"constraints": [list(c) for c in saved.constraints], "indexes": [list(i) for i in saved.indexes]}
-    )
-
-
-def definitions_from_json(data: dict):
-    from pgcascade.replica.copy import SavedDefinitions
-
-    saved = SavedDefinitions.__new__(SavedDefinitions)
-    saved.constraints = [tuple(c) for c in data["constraints"]]
-    saved.indexes = [tuple(i) for i in data["indexes"]]
-    return saved
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,11 +124,12 @@ def copy_range(ctx: CopyContext, r: RangeTask) -> tuple[int, int]:
     started = time.monotonic()
     with pgconn.connect(ctx.sub_dsn, connect_timeout=10) as sub:
         sub.execute(APPLY_SETTINGS)
-        done = sub.execute(
+        done = scalar(
+            sub,
             "select done from pgcascade.copy_range where queue_name = %s and table_name = %s and range_no = %s"
             " for update",
             (ctx.queue, ctx.table, r.range_no),
-        ).fetchone()[0]
+        )
         if done:  # a retried task: this range committed in its first try
             return 0, 0
         # no DELETE of the range first: the COPY and the done mark commit together, so a range
@@ -194,16 +169,7 @@ def copy_streams(cfg: JobConfig) -> int:
     """spark_copy_streams: ranges copied at once.  Default: half the cores of this host, at
     least one.  A COPY stream keeps about two cores busy (the provider's COPY TO and psql, the
     subscriber's COPY FROM), and the databases' cores, not Spark's, are what streams share."""
-    raw = cfg.raw.get("spark_copy_streams", "").strip()
-    if not raw:
-        return max(1, (os.cpu_count() or 2) // 2)
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise UserError(f"spark_copy_streams = {raw!r}: must be a number of streams, at least 1")
-    return n
+    return cfg.pipeline.spark_copy_streams or max(1, (os.cpu_count() or 2) // 2)
 
 
 def progress(conn: psycopg.Connection, queue: str, table: str | None = None) -> list[dict]:
@@ -253,40 +219,42 @@ def progress_line(p: dict) -> str:
 class SparkCopy:
     """The in-copy step of one table as Spark tasks (run by the table's copy process)."""
 
-    def __init__(self, proc, st: subscriber.SubscriberTable):
+    def __init__(self, proc: CopyProcess, st: subscriber.SubscriberTable):
         self.proc = proc  # the CopyProcess: its connections, queue, consumer name, config
         self.st = st
         self.queue = proc.queue
         self.table = proc.table
+        self.sub, self.prov = proc.connect()
 
     def spec(self, prov: psycopg.Connection) -> sg.TableSpec:
-        dest_cols = {c.name for c in catalog.columns(self.proc.sub, self.st.dest_table) if not c.generated}
-        spec = sg.table_spec(0, prov, self.proc.sub, self.table, self.st.dest_table, self.st.key_columns)
+        dest_cols = {c.name for c in catalog.columns(self.sub, self.st.dest_table) if not c.generated}
+        spec = sg.table_spec(0, prov, self.sub, self.table, self.st.dest_table, self.st.key_columns)
         keep = [(c, t) for c, t in zip(spec.columns, spec.types, strict=True) if c in dest_cols]
         return dataclasses.replace(spec, columns=tuple(c for c, _ in keep), types=tuple(t for _, t in keep))
 
     def run(self) -> None:
-        sub, prov = self.proc.sub, self.proc.prov
+        sub, prov = self.sub, self.prov
         # the consumer first, then the snapshot: every event the snapshot misses is after its tick
-        reg_tick = None if has_plan(sub, self.queue, self.table) else self.register()
+        reg_tick = None if has_plan(sub, self.queue, self.table) else self.proc.register_own_consumer()
         with pgconn.connect(self.proc.prov_location, connect_timeout=10) as holder:
             holder.execute(sg.SESSION_SETTINGS)
             holder.commit()
             holder.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
             holder.read_only = True
             # this attempt's snapshot: exported for the tasks, held until they are done
-            exported = holder.execute("select pg_export_snapshot()").fetchone()[0]
-            current = holder.execute("select pg_current_snapshot()::text").fetchone()[0]
+            exported = scalar(holder, "select pg_export_snapshot()")
+            current = scalar(holder, "select pg_current_snapshot()::text")
             spec = self.spec(holder)
             if reg_tick is not None:
                 self.plan(holder, spec, current, reg_tick)
                 attempt = 1
             else:
-                attempt = sub.execute(
+                attempt = scalar(
+                    sub,
                     "update pgcascade.copy_plan set attempt = attempt + 1, attempt_started = now()"
                     " where queue_name = %s and table_name = %s returning attempt",
                     (self.queue, self.table),
-                ).fetchone()[0]
+                )
             pending = [
                 RangeTask(n, lo, hi)
                 for n, lo, hi in sub.execute(
@@ -298,30 +266,18 @@ class SparkCopy:
             log.info("%s: spark copy attempt %d: %d range(s) to copy", self.table, attempt, len(pending))
             if pending:
                 ctx = CopyContext(
-                    self.queue, self.table, self.proc.prov_location, self.proc.cfg.db, exported, attempt, spec
+                    self.queue, self.table, self.proc.prov_location, self.proc.db, exported, attempt, spec
                 )
                 self.run_tasks(ctx, pending)
         self.finish(prov)
 
-    def register(self) -> int:
-        """A fresh copy consumer on the provider; returns its first tick."""
-        prov = self.proc.prov
-        with contextlib.suppress(psycopg.errors.NoDataFound, psycopg.errors.RaiseException):
-            q.unregister_consumer(prov, self.queue, self.proc.consumer)
-        q.register_consumer(prov, self.queue, self.proc.consumer)
-        return prov.execute(
-            "select last_tick from pgcascade.get_consumer_info(%s, %s)", (self.queue, self.proc.consumer)
-        ).fetchone()[0]
-
     def plan(self, holder: psycopg.Connection, spec: sg.TableSpec, snapshot: str, reg_tick: int) -> None:
-        from pgcascade.replica.copy import SavedDefinitions
-
-        sub = self.proc.sub
+        sub = self.sub
         cuts = sg.split_points(holder, spec, range_rows(self.proc.cfg), 100_000)
         bounds = [None, *cuts, None]
         with sub.transaction():
             sub.execute(APPLY_SETTINGS)
-            saved = SavedDefinitions(sub, self.st.dest_table)
+            saved = SavedDefinitions.read(sub, self.st.dest_table)
             saved.drop(sub)
             if not self.st.skip_truncate:
                 only = "" if catalog.is_partitioned(sub, self.st.dest_table) else "only "
@@ -334,7 +290,7 @@ class SparkCopy:
                     self.table,
                     reg_tick,
                     snapshot,
-                    definitions_to_json(saved),
+                    saved.to_json(),
                     estimated_rows(holder, self.table),
                 ),
             )
@@ -367,28 +323,29 @@ class SparkCopy:
             watcher.join()
 
     def report_progress(self, stop: threading.Event) -> None:
-        with pgconn.connect(self.proc.cfg.db, autocommit=True, connect_timeout=10) as conn:
+        with pgconn.connect(self.proc.db, autocommit=True, connect_timeout=10) as conn:
             while not stop.wait(PROGRESS_EVERY):
                 for p in progress(conn, self.queue, self.table):
                     log.info("%s", progress_line(p))
 
     def finish(self, prov: psycopg.Connection) -> None:
-        sub = self.proc.sub
+        sub = self.sub
         started = time.monotonic()
         with sub.transaction():
             sub.execute(APPLY_SETTINGS)
-            defs, reg_tick, snapshot = sub.execute(
+            defs, reg_tick, snapshot = one(
+                sub,
                 "select definitions, reg_tick, first_snapshot::text from pgcascade.copy_plan"
                 " where queue_name = %s and table_name = %s for update",
                 (self.queue, self.table),
-            ).fetchone()
-            definitions_from_json(defs).restore(sub)
+            )
+            SavedDefinitions.from_json(defs).restore(sub)
             sub.execute(
                 "update pgcascade.copy_plan set finished = now() where queue_name = %s and table_name = %s",
                 (self.queue, self.table),
             )
             subscriber.set_state(
-                sub, self.queue, self.table, "catching-up", copy_snapshot=snapshot, copy_tick=reg_tick
+                sub, self.queue, self.table, states.CATCHING_UP, copy_snapshot=snapshot, copy_tick=reg_tick
             )
         for p in progress(sub, self.queue, self.table):
             log.info("%s", progress_line(p))
@@ -400,8 +357,20 @@ class SparkCopy:
 
 
 def range_rows(cfg: JobConfig) -> int:
-    raw = cfg.raw.get("spark_copy_range_rows", "").strip()
-    try:
-        return int(raw) if raw else DEFAULT_RANGE_ROWS
-    except ValueError:
-        raise UserError(f"spark_copy_range_rows = {raw!r}: must be a number of rows") from None
+    return cfg.pipeline.spark_copy_range_rows
+
+
+class SparkCopier:
+    """The Spark copy as the copy process's BulkCopier (replica/copy.py): the `worker` and
+    `copy` commands plug it in."""
+
+    def wanted(
+        self, cfg: JobConfig, sub: psycopg.Connection, prov: psycopg.Connection, queue: str, table: str
+    ) -> bool:
+        return wanted(cfg, sub, prov, queue, table)
+
+    def run(self, process: CopyProcess, st: subscriber.SubscriberTable) -> None:
+        SparkCopy(process, st).run()
+
+    def forget(self, sub: psycopg.Connection, queue: str, table: str) -> None:
+        forget_plan(sub, queue, table)

@@ -27,6 +27,7 @@ from psycopg import sql
 
 from pgcascade.core import pgconn
 from pgcascade.core.errors import RuntimeFailure, db_error_line
+from pgcascade.core.pgconn import scalar
 from pgcascade.pgq import node as nodes
 from pgcascade.pipeline import segments as sg
 from pgcascade.pipeline.compare import TableResult
@@ -44,14 +45,14 @@ def _typed(value: str | None, type_: str) -> sql.Composable:
     return sql.SQL("{}::{}").format(sql.Literal(value), sql.SQL(type_))
 
 
-def key_match(spec: sg.TableSpec, key: list[str]) -> sql.Composable:
+def key_match(spec: sg.TableSpec, key: list[str]) -> sql.Composed:
     return sql.SQL(" and ").join(
         sql.SQL("{} = {}").format(sql.Identifier(k), _typed(v, t))
         for k, v, t in zip(spec.keys, key, spec.key_types, strict=True)
     )
 
 
-def statement(spec: sg.TableSpec, row: dict) -> sql.Composable:
+def statement(spec: sg.TableSpec, row: dict) -> sql.Composed:
     """The statement that fixes one differing row (row: kind, key, vals as fetch_rows gives them)."""
     dest = sql.SQL(spec.dest)
     if row["kind"] == "extra":
@@ -72,13 +73,14 @@ def statement(spec: sg.TableSpec, row: dict) -> sql.Composable:
 
 
 def protected(conn: psycopg.Connection, dest: str) -> bool:
-    return conn.execute(
+    return scalar(
+        conn,
         "select exists (select 1 from pg_trigger where tgrelid = %s::regclass and tgname = %s)",
         (dest, PROTECT_TRIGGER),
-    ).fetchone()[0]
+    )
 
 
-def trigger_toggle(dest: str, on: bool) -> sql.Composable:
+def trigger_toggle(dest: str, on: bool) -> sql.Composed:
     return sql.SQL("alter table {} {} trigger {};").format(
         sql.SQL(dest), sql.SQL("enable" if on else "disable"), sql.Identifier(PROTECT_TRIGGER)
     )
@@ -134,7 +136,7 @@ class KeySpool:
         yield from pending.items()
 
 
-def _keys_sql(spec: sg.TableSpec, keys: list[list[str]]) -> sql.Composable:
+def _keys_sql(spec: sg.TableSpec, keys: list[list[str]]) -> sql.Composed:
     """(k1, k2) in (values of these keys), with the keys inlined: COPY takes no parameters."""
     cols = [list(c) for c in zip(*keys, strict=True)]
     return sql.SQL("({}) in (select {} from unnest({}) u({}))").format(

@@ -30,6 +30,7 @@ from psycopg import sql
 from pgcascade.core import catalog
 from pgcascade.core.copystream import OUTPUT_SETTINGS
 from pgcascade.core.errors import UserError
+from pgcascade.core.pgconn import one, scalar
 
 # the same text for the same value on both sides, whatever each server's defaults
 SESSION_SETTINGS = OUTPUT_SETTINGS
@@ -88,7 +89,7 @@ def normalised(column: str, type_: str) -> sql.Composable:
     return col
 
 
-def key_array(spec: TableSpec) -> sql.Composable:
+def key_array(spec: TableSpec) -> sql.Composed:
     return sql.SQL("array[{}]").format(
         sql.SQL(", ").join(
             sql.SQL("{}::text").format(normalised(k, t))
@@ -126,10 +127,10 @@ def _base_type(type_: str) -> str:
     return head if not paren else (head + rest.partition(")")[2]).rstrip()
 
 
-def column_hash(column: str, type_: str, seed: int) -> sql.Composable:
+def column_hash(column: str, type_: str, seed: int) -> sql.Composed:
     """One column's 64-bit hash, seeded by its position; NULL -> a constant of that position."""
     template = TYPED_HASHES.get(_base_type(type_))
-    col = sql.Identifier(column)
+    col: sql.Composable = sql.Identifier(column)
     if template is None:  # no portable hash function: its canonical text
         template = 'hashtextextended({}::text collate "C", {})'
         col = normalised(column, type_)
@@ -138,7 +139,7 @@ def column_hash(column: str, type_: str, seed: int) -> sql.Composable:
     )
 
 
-def row_hash(spec: TableSpec) -> sql.Composable:
+def row_hash(spec: TableSpec) -> sql.Composed:
     """The row's hash: its columns' hashes xor-ed, then mixed once more, so that the xor of a
     bucket's row hashes does not cancel when values are swapped between two rows."""
     cols = sql.SQL(" # ").join(
@@ -161,7 +162,7 @@ class Buckets:
     width: int | None = None
 
 
-def bucket(spec: TableSpec, b: Buckets) -> sql.Composable:
+def bucket(spec: TableSpec, b: Buckets) -> sql.Composed:
     """The bucket number of a row's key."""
     if b.width is not None:  # every key of the range is >= base: the division floors
         return sql.SQL("(({}::int8 - {}) / {})").format(
@@ -174,11 +175,11 @@ def bucket(spec: TableSpec, b: Buckets) -> sql.Composable:
     return sql.SQL("(hashtextextended({}, 7) & {})").format(key, sql.Literal(b.count - 1))
 
 
-def _key_tuple(spec: TableSpec) -> sql.Composable:
+def _key_tuple(spec: TableSpec) -> sql.Composed:
     return sql.SQL("({})").format(sql.SQL(", ").join(map(sql.Identifier, spec.keys)))
 
 
-def _bound(spec: TableSpec, values: list[str]) -> sql.Composable:
+def _bound(spec: TableSpec, values: list[str]) -> sql.Composed:
     return sql.SQL("({})").format(
         sql.SQL(", ").join(
             sql.SQL("{}::{}").format(sql.Literal(v), sql.SQL(t))
@@ -197,7 +198,7 @@ def key_range(spec: TableSpec, lo: list[str] | None, hi: list[str] | None) -> sq
     return sql.SQL(" and ").join(parts) if parts else sql.SQL("true")
 
 
-def bucket_checksums_sql(spec: TableSpec, side: str, lo, hi, b: Buckets) -> sql.Composable:
+def bucket_checksums_sql(spec: TableSpec, side: str, lo, hi, b: Buckets) -> sql.Composed:
     """(bucket, rows, xor of row hashes) of one key range.  xor, not sum: int8 aggregation is
     cheaper than numeric, and keys are unique, so no two equal rows cancel out."""
     return sql.SQL(
@@ -205,7 +206,7 @@ def bucket_checksums_sql(spec: TableSpec, side: str, lo, hi, b: Buckets) -> sql.
     ).format(bucket(spec, b), row_hash(spec), spec.relation(side), key_range(spec, lo, hi))
 
 
-def row_hashes_sql(spec: TableSpec, side: str, lo, hi, b: Buckets) -> sql.Composable:
+def row_hashes_sql(spec: TableSpec, side: str, lo, hi, b: Buckets) -> sql.Composed:
     """(key, row hash) of the rows of a key range in the buckets given as %s (an int8 array).
     Integer keys: one index range scan per bucket; hashed keys: the range again, filtered."""
     rel, rng = spec.relation(side), key_range(spec, lo, hi)
@@ -223,7 +224,7 @@ def row_hashes_sql(spec: TableSpec, side: str, lo, hi, b: Buckets) -> sql.Compos
     )
 
 
-def fetch_rows_sql(spec: TableSpec, side: str) -> sql.Composable:
+def fetch_rows_sql(spec: TableSpec, side: str) -> sql.Composed:
     """(key, every column as text) of the rows whose keys are given as one text array per key column."""
     match = sql.SQL("select {} from unnest({}) u({})").format(
         sql.SQL(", ").join(
@@ -248,11 +249,11 @@ def split_points(
     block sample of its keys, sorted by the server (its collation), so no full scan is needed.
     The sample takes ~20 blocks per range: rows of one block have neighbouring keys, so a
     handful of blocks would cut the key space unevenly."""
-    est, pages = conn.execute(
-        "select reltuples::int8, relpages::int8 from pg_class where oid = %s::regclass", (spec.table,)
-    ).fetchone()
+    est, pages = one(
+        conn, "select reltuples::int8, relpages::int8 from pg_class where oid = %s::regclass", (spec.table,)
+    )
     if est is None or est < 0:  # never analysed: count once
-        est = conn.execute(sql.SQL("select count(*) from {}").format(spec.relation("prov"))).fetchone()[0]
+        est = scalar(conn, sql.SQL("select count(*) from {}").format(spec.relation("prov")))
     nseg = min(max_segments, max(1, -(-est // target_rows)))
     if nseg <= 1:
         return []

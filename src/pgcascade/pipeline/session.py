@@ -31,7 +31,6 @@ from pgcascade.core.errors import ConfigError, RuntimeFailure
 
 log = logging.getLogger("pgcascade.pipeline")
 
-DEFAULT_JDBC_JAR = "/usr/share/java/postgresql.jar"
 
 # Spark's own log: errors only, to stderr (its INFO lines would bury our progress display)
 LOG4J = """rootLogger.level = error
@@ -46,25 +45,18 @@ appender.console.layout.pattern = spark: %p %c{1}: %m%n
 
 def jdbc_jar(cfg: JobConfig) -> str:
     """The JDBC driver's path; a clear error when it is not there."""
-    path = cfg.raw.get("jdbc_jar", "").strip() or DEFAULT_JDBC_JAR
-    if not Path(path).expanduser().is_file():
+    path = cfg.pipeline.jdbc_jar
+    if not path.expanduser().is_file():
         raise ConfigError(
             f"PostgreSQL JDBC driver not found at {path}: install libpostgresql-jdbc-java"
             " or set jdbc_jar = /path/to/postgresql.jar in the config"
         )
-    return str(Path(path).expanduser())
+    return str(path.expanduser())
 
 
 def spark_settings(cfg: JobConfig) -> dict[str, str]:
-    """Every `spark.*` key of the section, as given (configparser lower-cases keys: Spark's
-    settings are case-sensitive, so the canonical camelCase names are restored from the file)."""
-    out = {}
-    for line in cfg.path.read_text().splitlines():
-        key, sep, _value = line.partition("=")
-        key = key.strip()
-        if sep and key.lower().startswith("spark.") and key.lower() in cfg.raw:
-            out[key] = cfg.raw[key.lower()].strip()
-    return out
+    """Every `spark.*` key of the section, as written (Spark's names are case-sensitive)."""
+    return dict(cfg.spark_conf)
 
 
 def _scratch_dir() -> str:
@@ -122,7 +114,7 @@ def build_session(cfg: JobConfig, app_name: str = "pgcascade"):
         from pyspark.sql import SparkSession
     except ImportError:
         raise ConfigError("pyspark is not installed: pip install 'pgcascade' with its dependencies") from None
-    remote = cfg.raw.get("spark_remote", "").strip()
+    remote = cfg.pipeline.spark_remote
     if remote:
         return remote_session(remote, app_name)
     local_environment()
@@ -130,7 +122,7 @@ def build_session(cfg: JobConfig, app_name: str = "pgcascade"):
     log4j = Path(scratch) / "log4j2.properties"
     log4j.write_text(LOG4J)
     os.environ.setdefault("SPARK_CONF_DIR", scratch)
-    master = cfg.raw.get("spark_master", "").strip() or "local[*]"
+    master = cfg.pipeline.spark_master
     builder = (
         SparkSession.builder.master(master)
         .appName(app_name)

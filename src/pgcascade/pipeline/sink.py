@@ -33,10 +33,13 @@ from pathlib import Path
 import psycopg
 from psycopg import sql
 
+from pgcascade.capture import tables as set_tables
 from pgcascade.core import catalog, pgconn
 from pgcascade.core.config import JobConfig
 from pgcascade.core.daemon import Daemon
 from pgcascade.core.errors import UserError
+from pgcascade.core.hooks import pause_point
+from pgcascade.core.pgconn import scalar
 from pgcascade.pgq import queue as q
 
 log = logging.getLogger("pgcascade.sink")
@@ -159,7 +162,7 @@ def select_list(columns: list[tuple[str, str]], source: str) -> sql.Composable:
 
 
 def commit_time_expr(conn: psycopg.Connection) -> sql.Composable:
-    on = conn.execute("select current_setting('track_commit_timestamp')::bool").fetchone()[0]
+    on = scalar(conn, "select current_setting('track_commit_timestamp')::bool")
     if on:
         return sql.SQL("pg_xact_commit_timestamp((e.ev_txid % 4294967296)::text::xid)")
     return sql.SQL("null::timestamptz")
@@ -172,35 +175,35 @@ class Sink(Daemon):
         super().__init__(cfg)
         if not cfg.db or not cfg.queue_name:
             raise UserError(f"{cfg.path}: db and queue_name must be set")
-        path = cfg.raw.get("sink_path", "").strip()
+        path = cfg.pipeline.sink_path
         if not path:
             raise UserError("sink needs --path DIR (or sink_path in the config)")
-        self.lake = Lake(Path(path).expanduser())
+        self.lake = Lake(path.expanduser())
         self.lake.path.mkdir(parents=True, exist_ok=True)
-        self.queue = cfg.queue_name
-        self.consumer = cfg.raw.get("sink_consumer", "").strip() or cfg.job_name
+        self.db: str = cfg.db
+        self.queue: str = cfg.queue_name
+        self.consumer = cfg.pipeline.sink_consumer or cfg.job_name
         self.conn: psycopg.Connection | None = None
-        self.loop_delay = cfg.loop_delay
 
     def connect(self) -> psycopg.Connection:
         if self.conn is None or self.conn.closed:
-            self.conn = pgconn.connect(self.cfg.db, autocommit=True, connect_timeout=10)
+            self.conn = pgconn.connect(self.db, autocommit=True, connect_timeout=10)
             self.conn.execute("set application_name = 'pgcascade sink'")
             self.conn.execute("set timezone = 'UTC'")
-            self.conn.execute(f"listen {q.TICK_CHANNEL}")
+            q.listen(self.conn)
         return self.conn
 
-    def shutdown(self) -> None:
+    def drop_connections(self) -> None:
         if self.conn is not None:
             self.conn.close()
             self.conn = None
 
+    def shutdown(self) -> None:
+        self.drop_connections()
+
     def tables(self, conn: psycopg.Connection) -> dict[str, dict]:
         out = {}
-        for name, keys in conn.execute(
-            "select table_name, key_columns from pgcascade.set_table where queue_name = %s order by 1",
-            (self.queue,),
-        ):
+        for name, keys in set_tables.set_tables(conn, self.queue).items():
             cols = [(c.name, c.type) for c in catalog.columns(conn, name) if not c.generated]
             out[name] = {"keys": keys, "columns": cols}
         return out
@@ -215,20 +218,17 @@ class Sink(Daemon):
         if info.batch_id is None:
             return False
         self.write_batch(conn, info, meta)
-        from pgcascade.replica.copy import pause_point
-
-        pause_point("sink-written", "")
+        pause_point("sink-written")
         q.finish_batch(conn, info.batch_id)
         return True
 
     def initial_snapshot(self, conn: psycopg.Connection) -> None:
         """Register, then write every table's rows as op S under a snapshot taken after that."""
         q.register_consumer(conn, self.queue, self.consumer)
-        reg = conn.execute(
-            "select last_tick from pgcascade.get_consumer_info(%s, %s)", (self.queue, self.consumer)
-        ).fetchone()[0]
+        reg = q.consumer_last_tick(conn, self.queue, self.consumer)
+        assert reg is not None
         tables = self.tables(conn)
-        with pgconn.connect(self.cfg.db, connect_timeout=10) as snap:
+        with pgconn.connect(self.db, connect_timeout=10) as snap:
             snap.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
             snap.read_only = True
             snap.execute("set local timezone = 'UTC'")
@@ -252,7 +252,7 @@ class Sink(Daemon):
         )
 
     def write_batch(self, conn: psycopg.Connection, info: q.BatchInfo, meta: dict) -> None:
-        batch_sql = conn.execute("select pgcascade.batch_event_sql(%s)", (info.batch_id,)).fetchone()[0]
+        batch_sql = scalar(conn, "select pgcascade.batch_event_sql(%s)", (info.batch_id,))
         names = [
             r[0]
             for r in conn.execute(
@@ -262,6 +262,7 @@ class Sink(Daemon):
             )
         ]
         tick = info.cur_tick_id
+        assert tick is not None
         commit_time = commit_time_expr(conn)
         for name in names:
             if name not in meta["tables"]:  # added to the set after the sink started
@@ -279,8 +280,6 @@ class Sink(Daemon):
                 cur.execute(query, (tick, name))
                 n = TableWriter(self.lake, name, tick, cols).write(cur)
             log.info("%s: tick %d: %d changes", name, tick, n)
-            from pgcascade.replica.copy import pause_point
-
             pause_point("sink-table-written", name)
 
 

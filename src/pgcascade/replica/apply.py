@@ -28,6 +28,8 @@ from psycopg import sql
 
 from pgcascade.core import catalog
 from pgcascade.core.errors import RuntimeFailure, db_error_line
+from pgcascade.core.pgconn import scalar
+from pgcascade.pgq import queue as q
 from pgcascade.replica.tables import SubscriberTable
 
 log = logging.getLogger("pgcascade.apply")
@@ -41,6 +43,7 @@ RELAY_BYTES = 1 << 16  # a batch's COPY moves from provider to subscriber in pie
 # finished on the provider right after, so a commit lost in a crash would lose the batch.
 APPLY_SETTINGS = "set local session_replication_role = replica; set local synchronous_commit = on"
 
+STAGE_TABLE = "pg_temp.pgcascade_stage"
 STAGE_COLUMNS = "ev_id, ev_txid, ev_type, ev_data, ev_extra1"
 # a branch carries every field of the event into its own queue
 CARRY_COLUMNS = STAGE_COLUMNS + ", ev_time, ev_extra2, ev_extra3, ev_extra4"
@@ -75,7 +78,7 @@ def stage_batch(
     """Stream the batch's events from the provider into the subscriber's staging table; bytes
     moved.  `carry`: every field, for a branch that inserts them into its own queue."""
     ensure_stage(sub)
-    batch_sql = prov.execute("select pgcascade.batch_event_sql(%s)", (batch_id,)).fetchone()[0]
+    batch_sql = q.batch_event_sql(prov, batch_id)
     cols = sql.SQL(CARRY_COLUMNS if carry else STAGE_COLUMNS)
     query = sql.SQL("copy (select {} from ({}) b{}) to stdout").format(
         cols,
@@ -98,19 +101,6 @@ def stage_batch(
             dst.write(bytes(buf))
             moved += len(buf)
     return moved
-
-
-def carry_staged(sub: psycopg.Connection, queue: str) -> int:
-    """A branch: insert the staged batch into its own queue, every event with its provider's
-    id, time and fields (the transaction id is this node's own, as the local ticks need)."""
-    return sub.execute(
-        "insert into pgcascade.event (ev_id, ev_time, ev_part, ev_type, ev_data, ev_extra1, ev_rare)"
-        " select s.ev_id, s.ev_time, q.queue_id * 16 + q.queue_cur_table, s.ev_type, s.ev_data, s.ev_extra1,"
-        "        case when s.ev_extra2 is not null or s.ev_extra3 is not null or s.ev_extra4 is not null"
-        "             then row(s.ev_extra2, s.ev_extra3, s.ev_extra4, null, null)::pgcascade.event_rare end"
-        "   from pg_temp.pgcascade_stage s, pgcascade.queue q where q.queue_name = %s order by s.ev_id",
-        (queue,),
-    ).rowcount
 
 
 @dataclass
@@ -227,7 +217,7 @@ class TableApplier:
         if self.set_based and not rowwise:
             try:
                 with sub.transaction():  # a savepoint: a failed set-based attempt leaves nothing behind
-                    sub.execute(self.set_sql, params)
+                    sub.execute(self.set_sql or b"", params)
                 return
             except (psycopg.errors.UniqueViolation, psycopg.errors.ExclusionViolation) as e:
                 log.info("%s: set-based apply hit %s; applying row by row", self.dest, type(e).__name__)
@@ -325,11 +315,12 @@ def apply_staged(
 
 
 def visible_in(sub: psycopg.Connection, ev_id: int, snapshot: str) -> bool:
-    return sub.execute(
+    return scalar(
+        sub,
         "select txid_visible_in_snapshot(ev_txid, %s::txid_snapshot) from pg_temp.pgcascade_stage"
         " where ev_id = %s",
         (snapshot, ev_id),
-    ).fetchone()[0]
+    )
 
 
 def flush_truncate(sub: psycopg.Connection, dests: list[str]) -> None:
@@ -392,7 +383,7 @@ def apply_set_based_together(
     try:
         with sub.pipeline(), sub.transaction():
             for a in appliers:
-                sub.execute(a.set_sql, a.params(lo, hi, skip))
+                sub.execute(a.set_sql or b"", a.params(lo, hi, skip))
     except psycopg.OperationalError:
         raise
     except psycopg.Error:

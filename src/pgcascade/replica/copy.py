@@ -22,92 +22,45 @@ import contextlib
 import logging
 import os
 import time
+from typing import Protocol
 
 import psycopg
 from psycopg import sql
 
+from pgcascade.capture import tables as set_tables
 from pgcascade.core import catalog, copystream, pgconn
 from pgcascade.core.config import JobConfig
 from pgcascade.core.daemon import Daemon
 from pgcascade.core.errors import UserError
+from pgcascade.core.hooks import pause_point
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
-from pgcascade.pgq.queue import TICK_CHANNEL
+from pgcascade.replica import state as states
 from pgcascade.replica import tables as subscriber
 from pgcascade.replica.apply import APPLY_SETTINGS, TableApplier, apply_staged, stage_batch
-from pgcascade.replica.worker import next_batch, provider_formats, resume_at, state_tick
+from pgcascade.replica.definitions import SavedDefinitions
+from pgcascade.replica.state import Phase
 
 log = logging.getLogger("pgcascade.copy")
-
-
-def pause_point(name: str, table: str) -> None:
-    """Test hook: with PGCASCADE_PAUSE_AT=name in the environment, log and sleep here, so a
-    test can SIGKILL the process at exactly this point of the state machine."""
-    if os.environ.get("PGCASCADE_PAUSE_AT") == name and os.environ.get("PGCASCADE_PAUSE_TABLE") in (
-        None,
-        table,
-    ):
-        log.info("pause point %s (pid %d)", name, os.getpid())
-        time.sleep(float(os.environ.get("PGCASCADE_PAUSE_SECONDS", "60")))
 
 
 def copy_consumer_name(worker_name: str, table: str) -> str:
     return f"{worker_name}.copy.{table}"
 
 
-class SavedDefinitions:
-    """Indexes and constraints of a table (and foreign keys pointing at it), dropped around COPY."""
+class BulkCopier(Protocol):
+    """A faster in-copy step for large tables, plugged in by the command that starts the
+    processes (the Spark pipeline provides one: pipeline/copy.py).  Without one, or when it
+    declines a table, the copy process streams the table itself."""
 
-    def __init__(self, conn: psycopg.Connection, table: str):
-        self.constraints = conn.execute(
-            "select format('%%I.%%I', n.nspname, c.relname), con.conname, pg_get_constraintdef(con.oid), con.contype"
-            " from pg_constraint con join pg_class c on c.oid = con.conrelid"
-            " join pg_namespace n on n.oid = c.relnamespace"
-            " where (con.conrelid = %s::regclass and con.contype in ('p', 'u', 'x', 'f'))"
-            "    or (con.confrelid = %s::regclass and con.contype = 'f' and con.conrelid <> %s::regclass)"
-            " order by con.contype = 'f' desc",
-            (table, table, table),
-        ).fetchall()
-        self.indexes = conn.execute(
-            "select format('%%I.%%I', n.nspname, ic.relname), pg_get_indexdef(i.indexrelid)"
-            " from pg_index i join pg_class ic on ic.oid = i.indexrelid join pg_namespace n on n.oid = ic.relnamespace"
-            " where i.indrelid = %s::regclass"
-            " and not exists (select 1 from pg_constraint con where con.conindid = i.indexrelid)",
-            (table,),
-        ).fetchall()
+    def wanted(
+        self, cfg: JobConfig, sub: psycopg.Connection, prov: psycopg.Connection, queue: str, table: str
+    ) -> bool: ...
 
-    def drop(self, conn: psycopg.Connection) -> None:
-        for owner, name, _, _ in self.constraints:  # foreign keys first: they depend on the keys
-            conn.execute(
-                sql.SQL("alter table {} drop constraint {}").format(sql.SQL(owner), sql.Identifier(name))
-            )
-        for name, _ in self.indexes:
-            conn.execute(sql.SQL("drop index {}").format(sql.SQL(name)))
+    def run(self, process: CopyProcess, st: subscriber.SubscriberTable) -> None: ...
 
-    def restore(self, conn: psycopg.Connection) -> None:
-        for _, ddl in self.indexes:
-            conn.execute(ddl.encode())
-        for owner, name, definition, contype in reversed(self.constraints):
-            add = sql.SQL("alter table {} add constraint {} {}").format(
-                sql.SQL(owner), sql.Identifier(name), sql.SQL(definition)
-            )
-            if contype != "f":
-                conn.execute(add)
-                continue
-            # a foreign key may point at rows another table has not received yet: add it
-            # NOT VALID (enforcement is off under replication anyway) and validate when it holds
-            conn.execute(sql.SQL("{} not valid").format(add))
-            try:
-                with conn.transaction():
-                    conn.execute(
-                        sql.SQL("alter table {} validate constraint {}").format(
-                            sql.SQL(owner), sql.Identifier(name)
-                        )
-                    )
-            except psycopg.errors.ForeignKeyViolation:
-                log.warning(
-                    "foreign key %s on %s left NOT VALID: rows refer to rows not copied yet", name, owner
-                )
+    def forget(self, sub: psycopg.Connection, queue: str, table: str) -> None:
+        """A new copy of the table starts (NULL -> in-copy): what an earlier one left goes."""
 
 
 def copy_table(
@@ -129,99 +82,115 @@ def copy_table(
 
 class CopyProcess(Daemon):
     name = "copy"
+    default_loop_delay = 0.05  # polls its own table's state: the worker's hand-over is awaited here
 
-    def __init__(self, cfg: JobConfig, table: str):
-        super().__init__(cfg)
+    def __init__(self, cfg: JobConfig, table: str, bulk: BulkCopier | None = None):
+        # the worker's pidfile is not ours; copy_pid in the database tells who runs
+        super().__init__(cfg.with_changes(pidfile=None, loop_delay=None))
         if not cfg.queue_name or not cfg.db:
             raise UserError(f"{cfg.path}: db and queue_name must be set")
+        self.db = cfg.db
         self.queue = cfg.queue_name
         self.table = table
-        self.loop_delay = 0.05  # polls its own table's state: the worker's hand-over is awaited here
-        self.max_batch_events = int(cfg.raw.get("max_batch_events", 200000))
-        cfg.pidfile = None  # the worker's pidfile is not ours; copy_pid in the database tells who runs
+        self.bulk = bulk
         self.sub: psycopg.Connection | None = None
         self.prov: psycopg.Connection | None = None
         self.connect()
-        self.consumer = copy_consumer_name(self.node.worker_name or self.node.node_name, table)
+        self.consumer = copy_consumer_name(self.node.consumer, table)
         self.applier: TableApplier | None = None
 
-    def connect(self) -> None:
-        """(Re)connect to both databases; after a server restart the next round does this."""
+    def connect(self) -> tuple[psycopg.Connection, psycopg.Connection]:
+        """Both databases; after a server restart the next round connects again."""
         if self.sub is None or self.sub.closed:
-            self.sub = pgconn.connect(self.cfg.db, autocommit=True, connect_timeout=10)
+            self.sub = pgconn.connect(self.db, autocommit=True, connect_timeout=10)
             self.sub.execute("set application_name = 'pgcascade copy'")
             self.node = nodes.require_node(self.sub, self.queue)
             self.prov_location = nodes.provider_location(self.sub, self.node)
         if self.prov is None or self.prov.closed:
             self.prov = pgconn.connect(self.prov_location, autocommit=True, connect_timeout=10)
+        return self.sub, self.prov
 
-    def table_state(self) -> subscriber.SubscriberTable | None:
-        return subscriber.get_table(self.sub, self.queue, self.table)
+    def drop_connections(self) -> None:
+        for c in (self.sub, self.prov):
+            if c is not None:
+                c.close()
+        self.sub = self.prov = None
+
+    def shutdown(self) -> None:
+        self.drop_connections()
 
     def work(self) -> bool:
-        try:
-            return self.step()
-        except psycopg.OperationalError:
-            self.shutdown()  # reconnect in the next round
-            raise
-
-    def step(self) -> bool:
-        self.connect()
-        st = self.table_state()
-        if st is None or st.state is None or st.state == "ok":
+        sub, prov = self.connect()
+        st = subscriber.get_table(sub, self.queue, self.table)
+        if st is None or st.state in (states.NEW, states.OK):
             log.info(
                 "%s: state %s, nothing for a copy process to do", self.table, st.state if st else "(removed)"
             )
             self.stop_requested = True
             return False
         if st.copy_pid != os.getpid():
-            subscriber.set_state(self.sub, self.queue, self.table, st.state, copy_pid=os.getpid())
-        if st.state == "in-copy":
-            lacking = subscriber.provider_lacks(self.prov, self.queue, [self.table])
-            if lacking:
-                log.info("%s: waiting for the provider to hold it (%s)", self.table, lacking[self.table])
-                return False
-            self.initial_copy(st)
-            return True
-        if st.state == "catching-up":
-            if self.apply_next_batch(st, max_tick=None):
-                return True
-            covered = self.prov.execute(
-                "select pgcascade.tick_covers_snapshot(%s, %s, %s::pg_snapshot)",
-                (self.queue, st.copy_tick, st.copy_snapshot),
-            ).fetchone()[0]
-            if not covered:
-                return False  # hand over only at a tick taken after the copy's snapshot
-            subscriber.set_state(self.sub, self.queue, self.table, f"wanna-sync:{st.copy_tick}")
-            log.info("%s: caught up at tick %d: wanna-sync:%d", self.table, st.copy_tick, st.copy_tick)
-            # wake the worker (it waits on the provider's tick channel) for the hand-over now,
-            # not at the next tick: with no writes that is up to ticker_idle_period away
-            self.prov.execute("select pg_notify(%s, %s)", (TICK_CHANNEL, self.queue))
-            pause_point("wanna-sync", self.table)
-            return False
-        if st.state.startswith("do-sync"):
-            pause_point("do-sync", self.table)
-            target = state_tick(st.state)
-            if (st.copy_tick or 0) >= target:
-                self.finish(st)
-                return False
-            self.apply_next_batch(st, max_tick=target)
-            return True
+            subscriber.set_state(sub, self.queue, self.table, st.state, copy_pid=os.getpid())
+        phase = st.state.phase
+        if phase is Phase.IN_COPY:
+            return self.in_copy(sub, prov, st)
+        if phase is Phase.CATCHING_UP:
+            return self.catching_up(sub, prov, st)
+        if phase is Phase.DO_SYNC:
+            return self.do_sync(st)
         return False  # wanna-sync: the worker's turn
 
-    def initial_copy(self, st: subscriber.SubscriberTable) -> None:
-        from pgcascade.pipeline import copy as spark_copy
+    # --- the states this process owns ---
+    def in_copy(
+        self, sub: psycopg.Connection, prov: psycopg.Connection, st: subscriber.SubscriberTable
+    ) -> bool:
+        lacking = subscriber.provider_lacks(prov, self.queue, [self.table])
+        if lacking:
+            log.info("%s: waiting for the provider to hold it (%s)", self.table, lacking[self.table])
+            return False
+        if self.bulk is not None and self.bulk.wanted(self.cfg, sub, prov, self.queue, self.table):
+            self.bulk.run(self, st)  # a large table: key ranges copied by Spark tasks, resumable
+        else:
+            self.initial_copy(st)
+        return True
 
-        if spark_copy.wanted(self.cfg, self.sub, self.prov, self.queue, self.table):
-            # a large table: key ranges copied by Spark tasks, resumable (pipeline/copy.py)
-            spark_copy.SparkCopy(self, st).run()
-            return
+    def catching_up(
+        self, sub: psycopg.Connection, prov: psycopg.Connection, st: subscriber.SubscriberTable
+    ) -> bool:
+        if self.apply_next_batch(st, max_tick=None):
+            return True
+        assert st.copy_tick is not None and st.copy_snapshot is not None
+        if not q.tick_covers_snapshot(prov, self.queue, st.copy_tick, st.copy_snapshot):
+            return False  # hand over only at a tick taken after the copy's snapshot
+        subscriber.set_state(sub, self.queue, self.table, states.TableState.wanna_sync(st.copy_tick))
+        log.info("%s: caught up at tick %d: wanna-sync:%d", self.table, st.copy_tick, st.copy_tick)
+        # wake the worker (it waits on the provider's tick channel) for the hand-over now,
+        # not at the next tick: with no writes that is up to ticker_idle_period away
+        q.wake_consumers(prov, self.queue)
+        pause_point("wanna-sync", self.table)
+        return False
+
+    def do_sync(self, st: subscriber.SubscriberTable) -> bool:
+        pause_point("do-sync", self.table)
+        target = st.state.tick or 0
+        if (st.copy_tick or 0) >= target:
+            self.finish(st)
+            return False
+        self.apply_next_batch(st, max_tick=target)
+        return True
+
+    def register_own_consumer(self) -> int:
+        """A fresh consumer of this copy on the provider's queue; returns the tick it starts at."""
+        assert self.prov is not None
         with contextlib.suppress(psycopg.errors.NoDataFound, psycopg.errors.RaiseException):
             q.unregister_consumer(self.prov, self.queue, self.consumer)
         q.register_consumer(self.prov, self.queue, self.consumer)
-        reg_tick = self.prov.execute(
-            "select last_tick from pgcascade.get_consumer_info(%s, %s)", (self.queue, self.consumer)
-        ).fetchone()[0]
+        tick = q.consumer_last_tick(self.prov, self.queue, self.consumer)
+        assert tick is not None
+        return tick
+
+    def initial_copy(self, st: subscriber.SubscriberTable) -> None:
+        assert self.sub is not None and self.prov is not None
+        reg_tick = self.register_own_consumer()
         started = time.monotonic()
         dest_cols = {c.name for c in catalog.columns(self.sub, st.dest_table) if not c.generated}
         cols = [
@@ -231,11 +200,11 @@ class CopyProcess(Daemon):
             snap_conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
             snap_conn.read_only = True
             # the transaction's snapshot: every event committed before it is in the copied rows
-            snapshot = snap_conn.execute("select pg_current_snapshot()::text").fetchone()[0]
+            snapshot = copystream.current_snapshot(snap_conn)
             log.info("%s: copying under snapshot %s, catch-up from tick %d", self.table, snapshot, reg_tick)
             with self.sub.transaction():
                 self.sub.execute(APPLY_SETTINGS)
-                saved = SavedDefinitions(self.sub, st.dest_table)
+                saved = SavedDefinitions.read(self.sub, st.dest_table)
                 saved.drop(self.sub)
                 if not st.skip_truncate:
                     only = "" if catalog.is_partitioned(self.sub, st.dest_table) else "only "
@@ -256,7 +225,7 @@ class CopyProcess(Daemon):
                     self.sub,
                     self.queue,
                     self.table,
-                    "catching-up",
+                    states.CATCHING_UP,
                     copy_snapshot=snapshot,
                     copy_tick=reg_tick,
                 )
@@ -270,33 +239,30 @@ class CopyProcess(Daemon):
         )
 
     def apply_next_batch(self, st: subscriber.SubscriberTable, max_tick: int | None) -> bool:
-        info = next_batch(self.prov, self.queue, self.consumer, self.max_batch_events, max_tick)
+        sub, prov = self.connect()
+        info = q.next_batch(prov, self.queue, self.consumer, self.cfg.worker.max_batch_events, max_tick)
         if info.batch_id is None:
             return False
         if self.applier is None:
-            fmt = provider_formats(self.prov, self.queue).get(self.table, "json")
-            self.applier = TableApplier.build(self.sub, self.prov, st, fmt)
+            fmt = set_tables.event_formats(prov, self.queue).get(self.table, "json")
+            self.applier = TableApplier.build(sub, prov, st, fmt)
         started = time.monotonic()
-        with self.sub.transaction():
-            self.sub.execute(APPLY_SETTINGS)
-            done = self.sub.execute(
-                "select copy_tick from pgcascade.subscriber_table where queue_name = %s and table_name = %s for update",
-                (self.queue, self.table),
-            ).fetchone()[0]
+        with sub.transaction():
+            sub.execute(APPLY_SETTINGS)
+            done = subscriber.lock_copy_tick(sub, self.queue, self.table)
             stats = None
             if done is None or done == info.prev_tick_id:
-                stage_batch(self.prov, self.sub, info.batch_id, only_table=self.table)
-                stats = apply_staged(self.sub, {self.table: self.applier}, skip=st.copy_snapshot)
-                self.sub.execute(
-                    "update pgcascade.subscriber_table set copy_tick = %s where queue_name = %s and table_name = %s",
-                    (info.cur_tick_id, self.queue, self.table),
-                )
+                stage_batch(prov, sub, info.batch_id, only_table=self.table)
+                stats = apply_staged(sub, {self.table: self.applier}, skip=st.copy_snapshot)
+                assert info.cur_tick_id is not None
+                subscriber.set_copy_tick(sub, self.queue, self.table, info.cur_tick_id)
         if stats is None:  # the batch does not start at our record (see Worker.process_batch)
-            resume_at(self.prov, self.queue, self.consumer, done)
+            assert done is not None
+            q.resume_at(prov, self.queue, self.consumer, done)
             return True
-        if st.state == "catching-up":
+        if st.state.phase is Phase.CATCHING_UP:
             pause_point("catching-up", self.table)  # applied and recorded, not finished on the provider
-        self.prov.execute("select pgcascade.finish_batch(%s)", (info.batch_id,))
+        q.finish_batch(prov, info.batch_id)
         log.info(
             "%s: {count: %d, ignored: %d, duration: %.3f}",
             self.table,
@@ -307,14 +273,9 @@ class CopyProcess(Daemon):
         return True
 
     def finish(self, st: subscriber.SubscriberTable) -> None:
-        subscriber.set_state(self.sub, self.queue, self.table, "ok", copy_snapshot=None, copy_pid=None)
+        assert self.sub is not None and self.prov is not None
+        subscriber.set_state(self.sub, self.queue, self.table, states.OK, copy_snapshot=None, copy_pid=None)
         with contextlib.suppress(psycopg.Error):
             q.unregister_consumer(self.prov, self.queue, self.consumer)
         log.info("%s: in sync at tick %d: ok", self.table, st.copy_tick)
         self.stop_requested = True
-
-    def shutdown(self) -> None:
-        for c in (self.sub, self.prov):
-            if c is not None:
-                c.close()
-        self.sub = self.prov = None

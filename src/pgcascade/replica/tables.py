@@ -10,16 +10,21 @@ with `allow_local_writes`.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import psycopg
 from psycopg import sql
-from psycopg.rows import class_row
 
 from pgcascade.capture import tables as capture
 from pgcascade.core import catalog
 from pgcascade.core.errors import UserError
-from pgcascade.pgq.queue import TICK_CHANNEL
+from pgcascade.core.pgconn import scalar
+from pgcascade.pgq import node as nodes
+from pgcascade.pgq import queue as q
+from pgcascade.replica import state as states
+from pgcascade.replica.state import TableState
 
 
 @dataclass
@@ -27,7 +32,7 @@ class SubscriberTable:
     table_name: str
     dest_table: str
     key_columns: list[str]
-    state: str | None
+    state: TableState
     copy_snapshot: str | None
     copy_tick: int | None
     copy_pid: int | None
@@ -35,8 +40,16 @@ class SubscriberTable:
     local_writes: bool
 
 
+def _table_row(cursor: psycopg.Cursor) -> Callable[[Sequence[Any]], SubscriberTable]:
+    def make(values: Sequence[Any]) -> SubscriberTable:
+        name, dest, keys, state, *rest = values
+        return SubscriberTable(name, dest, keys, TableState.parse(state), *rest)
+
+    return make
+
+
 def tables(conn: psycopg.Connection, queue: str) -> list[SubscriberTable]:
-    with conn.cursor(row_factory=class_row(SubscriberTable)) as cur:
+    with conn.cursor(row_factory=_table_row) as cur:
         return cur.execute(
             "select table_name, dest_table, key_columns, state, copy_snapshot::text, copy_tick, copy_pid,"
             " skip_truncate, local_writes from pgcascade.subscriber_table where queue_name = %s order by 1",
@@ -48,14 +61,36 @@ def get_table(conn: psycopg.Connection, queue: str, table: str) -> SubscriberTab
     return next((t for t in tables(conn, queue) if t.table_name == table), None)
 
 
-def set_state(conn: psycopg.Connection, queue: str, table: str, state: str | None, **extra: object) -> None:
+def set_state(conn: psycopg.Connection, queue: str, table: str, state: TableState, **extra: object) -> None:
+    """Move a table to `state` (and set copy_* columns given as keywords)."""
     assigns = [sql.SQL("state = %s")] + [sql.SQL("{} = %s").format(sql.Identifier(k)) for k in extra]
     conn.execute(
         sql.SQL("update pgcascade.subscriber_table set {} where queue_name = %s and table_name = %s").format(
             sql.SQL(", ").join(assigns)
         ),
-        (state, *extra.values(), queue, table),
+        (state.stored(), *extra.values(), queue, table),
     )
+
+
+def lock_copy_tick(conn: psycopg.Connection, queue: str, table: str) -> int | None:
+    """The tick a copy process applied last for this table, the row locked until commit."""
+    row = conn.execute(
+        "select copy_tick from pgcascade.subscriber_table where queue_name = %s and table_name = %s for update",
+        (queue, table),
+    ).fetchone()
+    return row[0] if row else None
+
+
+def set_copy_tick(conn: psycopg.Connection, queue: str, table: str, tick: int) -> None:
+    conn.execute(
+        "update pgcascade.subscriber_table set copy_tick = %s where queue_name = %s and table_name = %s",
+        (tick, queue, table),
+    )
+
+
+def busy_tables(conn: psycopg.Connection, queue: str) -> list[str]:
+    """Tables between NULL and ok: a copy owns them."""
+    return [t.table_name for t in tables(conn, queue) if t.state not in (states.NEW, states.OK)]
 
 
 def structure_difference(prov_cols: list[catalog.Column], dest_cols: list[catalog.Column]) -> str | None:
@@ -142,7 +177,7 @@ def add_tables(
                     t,
                     dest,
                     provided[t],
-                    "ok" if expect_sync else None,
+                    (states.OK if expect_sync else states.NEW).stored(),
                     skip_truncate,
                     allow_local_writes,
                 ),
@@ -151,22 +186,21 @@ def add_tables(
             added.append(t)
     if added and not expect_sync:
         # wake the worker (it waits on the provider's tick channel) to start the copies now
-        prov.execute("select pg_notify(%s, %s)", (TICK_CHANNEL, queue))
+        q.wake_consumers(prov, queue)
     return added
 
 
 def provider_lacks(prov: psycopg.Connection, queue: str, wanted: list[str]) -> dict[str, str]:
     """Tables a provider cannot give an initial copy of now, with the reason: a branch carries
     every table's events but holds rows only of the tables it replicates itself, in state ok."""
-    if prov.execute(
-        "select node_type = 'branch' from pgcascade.node where queue_name = %s", (queue,)
-    ).fetchone() != (True,):
+    pnode = nodes.get_node(prov, queue)
+    if pnode is None or not pnode.role.copies_events:
         return {}
     held = {t.table_name: t.state for t in tables(prov, queue)}
     return {
-        t: "not replicated there" if t not in held else f"state {held[t] or 'NULL'} there"
+        t: "not replicated there" if t not in held else f"state {held[t]} there"
         for t in wanted
-        if held.get(t, "") != "ok"
+        if t not in held or not held[t].is_ok
     }
 
 
@@ -207,7 +241,7 @@ def resync_tables(conn: psycopg.Connection, queue: str, names: list[str]) -> lis
         t = catalog.canonical(conn, n)
         if t not in registered:
             raise UserError(f"table {t} is not replicated here")
-        set_state(conn, queue, t, None, copy_snapshot=None, copy_tick=None)
+        set_state(conn, queue, t, states.NEW, copy_snapshot=None, copy_tick=None)
         done.append(t)
     return done
 
@@ -231,7 +265,7 @@ def add_seqs(
     for s in wanted:
         if s not in provided:
             raise UserError(f"sequence {s} is not replicated by the provider: add it on the root first")
-        if conn.execute("select to_regclass(%s) is null", (s,)).fetchone()[0]:
+        if scalar(conn, "select to_regclass(%s) is null", (s,)):
             raise UserError(f"sequence {s} does not exist on the subscriber")
     with conn.transaction():
         for s in wanted:
@@ -251,3 +285,65 @@ def remove_seqs(conn: psycopg.Connection, queue: str, names: list[str]) -> None:
         )
         if cur.rowcount == 0:
             raise UserError(f"sequence {n!r} is not replicated here")
+
+
+def follow_seqs(conn: psycopg.Connection, queue: str, names: list[str]) -> None:
+    """Follow these sequences of the set under their own names (a takeover's old root)."""
+    for name in names:
+        conn.execute(
+            "insert into pgcascade.subscriber_seq (queue_name, seq_name, dest_seq) values (%s, %s, %s)"
+            " on conflict do nothing",
+            (queue, name, name),
+        )
+
+
+# --- the node changes role (takeover, resurrect, leaving the set) --------------------------------
+
+
+def in_sync_tables(conn: psycopg.Connection, queue: str) -> set[str]:
+    """Tables this node holds in sync under their own names: what it can capture as the root."""
+    return {t.table_name for t in tables(conn, queue) if t.state.is_ok and t.dest_table == t.table_name}
+
+
+def adopt(conn: psycopg.Connection, queue: str, held: dict[str, list[str]], state: TableState) -> None:
+    """Replicate these tables (name -> key columns) under their own names, in `state`: ok for
+    an old root's tables (in sync by definition), NULL for tables to copy again."""
+    for table, keys in held.items():
+        conn.execute("select pgcascade.protect_table(%s::regclass, true)", (table,))
+        conn.execute(
+            "insert into pgcascade.subscriber_table (queue_name, table_name, dest_table, key_columns, state)"
+            " values (%s, %s, %s, %s, %s) on conflict (queue_name, table_name) do update set state = excluded.state",
+            (queue, table, table, keys, state.stored()),
+        )
+
+
+def release_all(conn: psycopg.Connection, queue: str, unprotect: bool = True) -> list[str]:
+    """This node stops replicating: the table and sequence lists go (with `unprotect`, its
+    tables take ordinary writes again); the sequences it followed return."""
+    for t in tables(conn, queue) if unprotect else ():
+        if catalog.table_exists(conn, t.dest_table):
+            conn.execute("select pgcascade.protect_table(%s::regclass, false)", (t.dest_table,))
+    followed = [s for s, _ in seqs(conn, queue)]
+    conn.execute("delete from pgcascade.subscriber_table where queue_name = %s", (queue,))
+    conn.execute("delete from pgcascade.subscriber_seq where queue_name = %s", (queue,))
+    return followed
+
+
+def sync_sequences(prov: psycopg.Connection, sub: psycopg.Connection, queue: str) -> None:
+    """Move each followed sequence up to the provider's value (never down)."""
+    followed = seqs(sub, queue)
+    if not followed:
+        return
+    values: dict[str, int | None] = dict(
+        prov.execute(
+            "select s, pg_sequence_last_value(s::regclass) from unnest(%s::text[]) s",
+            ([s for s, _ in followed],),
+        ).fetchall()
+    )
+    for seq, dest in followed:
+        v = values.get(seq)
+        if v is not None:
+            sub.execute(
+                "select setval(%s::regclass, %s) where %s > coalesce(pg_sequence_last_value(%s::regclass), 0)",
+                (dest, v, v, dest),
+            )

@@ -13,7 +13,7 @@ reports its watermark (the lowest tick it and the nodes below it need) to the pr
 root's worker waits: a takeover may make the node a branch.
 
 Between batches the worker drives the copy state machine (seed 000), owning the states NULL
-and wanna-sync:T; the copy processes it launches own the others (see copy.py):
+and wanna-sync:T (copies.py); the copy processes it launches own the others (copy.py):
 
     NULL -> in-copy -> catching-up -> wanna-sync:T -> do-sync:T -> ok
 
@@ -26,127 +26,70 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import psycopg
 
+from pgcascade.capture import tables as set_tables
 from pgcascade.core import pgconn
 from pgcascade.core.config import JobConfig
-from pgcascade.core.daemon import Daemon, pid_alive
+from pgcascade.core.daemon import Daemon
 from pgcascade.core.errors import UserError, db_error_line
 from pgcascade.pgq import node as nodes
-from pgcascade.pgq.queue import TICK_CHANNEL, BatchInfo
-from pgcascade.pipeline.copy import forget_plan
+from pgcascade.pgq import queue as q
+from pgcascade.pgq.queue import BatchInfo
 from pgcascade.replica import tables as subscriber
 from pgcascade.replica.apply import (
     APPLY_SETTINGS,
-    ApplyError,
+    STAGE_TABLE,
+    BatchStats,
     TableApplier,
     apply_staged,
-    carry_staged,
     ensure_stage,
     merge_staged,
     stage_batch,
 )
+from pgcascade.replica.copies import CopyLauncher
+from pgcascade.replica.copy import BulkCopier
+from pgcascade.replica.state import Phase
 
 log = logging.getLogger("pgcascade.replay")
 
-COPY_OWNED = ("in-copy", "catching-up", "do-sync")
 
-
-def next_batch(
-    prov: psycopg.Connection, queue: str, consumer: str, max_events: int | None, max_tick: int | None
-) -> BatchInfo:
-    with prov.cursor(row_factory=psycopg.rows.class_row(BatchInfo)) as cur:
-        return cur.execute(
-            "select * from pgcascade.next_batch_custom(%s, %s, %s, %s)",
-            (queue, consumer, max_events, max_tick),
-        ).fetchone()
-
-
-def resume_at(prov: psycopg.Connection, queue: str, consumer: str, tick: int) -> None:
-    """Put our consumer on the provider at `tick`, the last tick we applied durably."""
-    prov.execute("select pgcascade.set_consumer_position(%s, %s, %s)", (queue, consumer, tick))
-
-
-def state_tick(state: str | None) -> int | None:
-    """wanna-sync:T / do-sync:T -> T."""
-    if state and ":" in state:
-        return int(state.split(":", 1)[1])
-    return None
-
-
-def provider_formats(prov: psycopg.Connection, queue: str) -> dict[str, str]:
-    return dict(
-        prov.execute(
-            "select table_name, event_format from pgcascade.set_table where queue_name = %s", (queue,)
-        )
-    )
-
-
-def provider_set_tables(prov: psycopg.Connection, queue: str) -> list[tuple]:
-    return prov.execute(
-        "select table_name, key_columns, event_format from pgcascade.set_table where queue_name = %s",
-        (queue,),
-    ).fetchall()
-
-
-def sync_sequences(prov: psycopg.Connection, sub: psycopg.Connection, queue: str) -> None:
-    """Move each followed sequence up to the provider's value (never down)."""
-    seqs = subscriber.seqs(sub, queue)
-    if not seqs:
-        return
-    values = dict(
-        prov.execute(
-            "select s, pg_sequence_last_value(s::regclass) from unnest(%s::text[]) s", ([s for s, _ in seqs],)
-        ).fetchall()
-    )
-    for seq, dest in seqs:
-        v = values.get(seq)
-        if v is not None:
-            sub.execute(
-                "select setval(%s::regclass, %s) where %s > coalesce(pg_sequence_last_value(%s::regclass), 0)",
-                (dest, v, v, dest),
-            )
+def batch_cap(tables: list[subscriber.SubscriberTable], applied: int | None) -> int | None:
+    """The highest tick the next batch may reach: a table in wanna-sync:T holds the worker at T."""
+    caps = [t.state.tick for t in tables if t.state.phase is Phase.WANNA_SYNC and t.state.tick is not None]
+    return min((c for c in caps if c > (applied or 0)), default=None)
 
 
 class Worker(Daemon):
     name = "worker"
 
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: JobConfig, bulk: BulkCopier | None = None):
         super().__init__(cfg)
         if not cfg.queue_name:
             raise UserError(f"{cfg.path}: queue_name is not set")
         if not cfg.db:
             raise UserError(f"{cfg.path}: db is not set")
+        self.db = cfg.db
         self.queue = cfg.queue_name
         self.sub: psycopg.Connection | None = None
         self.prov: psycopg.Connection | None = None
         self.appliers: dict[str, TableApplier] = {}
         self.applier_key: tuple = ()
-        self.copies: dict[str, subprocess.Popen] = {}
+        self.copies = CopyLauncher(cfg, self.queue, bulk)
         self.prov_node: str | None = None  # the provider self.prov is connected to
         self.next_watermark = 0.0
-        self.reload()
 
     def reload(self) -> None:
-        raw = self.cfg.raw
-        self.parallel_copies = int(raw.get("parallel_copies", 2))
-        self.max_batch_events = int(raw.get("max_batch_events", 200000))
-        self.loop_delay = float(raw.get("loop_delay", 1.0))
-        self.watermark_period = float(raw.get("watermark_period", 1.0))
+        self.copies.cfg = self.cfg
 
     # --- connections ---
     def connect(self) -> tuple[psycopg.Connection, psycopg.Connection | None, nodes.Node]:
         """Both connections; the provider's is None while this node is the root (a root's
         worker waits, in case a takeover makes it a branch)."""
         if self.sub is None or self.sub.closed:
-            self.sub = pgconn.connect(self.cfg.db, autocommit=True, connect_timeout=10)
+            self.sub = pgconn.connect(self.db, autocommit=True, connect_timeout=10)
             self.sub.execute("set application_name = 'pgcascade worker'")
             ensure_stage(self.sub)
         node = nodes.require_node(self.sub, self.queue)
@@ -160,7 +103,7 @@ class Worker(Daemon):
             self.prov = pgconn.connect(
                 nodes.provider_location(self.sub, node), autocommit=True, connect_timeout=10
             )
-            self.prov.execute(f"listen {TICK_CHANNEL}")
+            q.listen(self.prov)
             self.prov_node = node.provider_node
         return self.sub, self.prov, node
 
@@ -184,38 +127,30 @@ class Worker(Daemon):
 
     # --- the loop ---
     def work(self) -> bool:
-        try:
-            sub, prov, node = self.connect()
-            if prov is None or node.paused:
-                return False
-            if node.combined_queue and not self.combined_is_root(sub, node):
-                self.follow_combined(prov, node)
-                return False
+        sub, prov, node = self.connect()
+        if prov is None or node.paused:
+            return False
+        if node.combined_queue and not self.combined_is_root(sub, node):
+            self.follow_combined(prov, node)
+            return False
+        tables = subscriber.tables(sub, self.queue)
+        if self.copies.manage(sub, node, tables):
+            # read the states again: a table handed over (do-sync) must not be applied
+            # past that tick until the copy process says ok
             tables = subscriber.tables(sub, self.queue)
-            if self.manage_copies(sub, node, tables):
-                # read the states again: a table handed over (do-sync) must not be applied
-                # past that tick until the copy process says ok
-                tables = subscriber.tables(sub, self.queue)
-            if any((t.state or "").startswith("do-sync") for t in tables):
-                return False  # the copy process is catching up to our tick
-            caps = [state_tick(t.state) for t in tables if (t.state or "").startswith("wanna-sync")]
-            max_tick = min((c for c in caps if c is not None and c > (node.last_tick or 0)), default=None)
-            info = next_batch(
-                prov,
-                self.queue,
-                node.worker_name,
-                self.max_batch_events if node.role.may_merge_ticks else None,
-                max_tick,
-            )
-            if info.batch_id is None:
-                self.report_watermark(sub, prov, node)
-                return False
+        if any(t.state.phase is Phase.DO_SYNC for t in tables):
+            return False  # the copy process is catching up to our tick
+        info = q.next_batch(
+            prov,
+            self.queue,
+            node.consumer,
+            self.cfg.worker.max_batch_events if node.role.may_merge_ticks else None,
+            batch_cap(tables, node.last_tick),
+        )
+        if info.batch_id is not None:
             self.process_batch(sub, prov, node, tables, info)
-            self.report_watermark(sub, prov, node)
-            return True
-        except psycopg.OperationalError:
-            self.drop_connections()
-            raise
+        self.report_watermark(sub, prov, node)
+        return info.batch_id is not None
 
     def process_batch(
         self,
@@ -227,76 +162,82 @@ class Worker(Daemon):
     ) -> None:
         started = time.monotonic()
         appliers = self.appliers_for(sub, prov, tables)
-        carry = node.role.copies_events or bool(node.combined_queue)
         with sub.transaction():
             sub.execute(APPLY_SETTINGS)
-            last, provider, node_type = sub.execute(
-                "select last_tick, provider_node, node_type from pgcascade.node where queue_name = %s for update",
-                (self.queue,),
-            ).fetchone()
-            if provider != node.provider_node or node_type != node.node_type:
+            now = nodes.lock_node(sub, self.queue)
+            if now.provider_node != node.provider_node or now.node_type != node.node_type:
                 return  # moved (change-provider, takeover) since this round began: start again
-            if last is not None and last != info.prev_tick_id:
-                stats = None
-            else:
-                stage_batch(prov, sub, info.batch_id, carry=carry)
-                if node.combined_queue:
-                    self.drop_partition_truncates(sub)
-                elif carry:
-                    carry_staged(sub, self.queue)
-                stats = apply_staged(sub, appliers, queue=self.queue)
-                if node.combined_queue:
-                    merge_staged(sub, node.combined_queue, self.queue, info.cur_tick_id, list(appliers))
-                if stats.table_list is not None:
-                    self.drop_tables_left_the_set(sub, prov, tables, stats.table_list)
-                    if node.role.copies_events:
-                        nodes.mirror_set_tables(sub, self.queue, provider_set_tables(prov, self.queue))
-                if node.role.copies_events:
-                    sub.execute(
-                        "select pgcascade.branch_tick(%s, %s, %s, %s)",
-                        (self.queue, info.cur_tick_id, info.cur_tick_time, info.cur_tick_event_seq),
-                    )
-                sub.execute(
-                    "update pgcascade.node set last_tick = %s, last_error = null, last_error_time = null"
-                    " where queue_name = %s",
-                    (info.cur_tick_id, self.queue),
-                )
-                sync_sequences(prov, sub, self.queue)
+            stats = None
+            if now.last_tick is None or now.last_tick == info.prev_tick_id:
+                stats = self.apply_batch(sub, prov, node, tables, info, appliers)
         if stats is None:
             # the batch does not start where this node's durable record says it is (it was
             # applied and the provider lost its finish_batch in a crash, or cut the batch
             # differently after one): go by our record, never apply anything twice
+            assert now.last_tick is not None
             log.info(
-                "provider had us at tick %d, we applied up to %d: resuming there", info.prev_tick_id, last
+                "provider had us at tick %d, we applied up to %d: resuming there",
+                info.prev_tick_id,
+                now.last_tick,
             )
-            resume_at(prov, self.queue, node.worker_name, last)
+            q.resume_at(prov, self.queue, node.consumer, now.last_tick)
             return
-        prov.execute("select pgcascade.finish_batch(%s)", (info.batch_id,))
+        assert info.batch_id is not None
+        q.finish_batch(prov, info.batch_id)
         if stats.executed:
             self.applier_key = ()  # DDL ran: read the tables' definitions again
         log.info(
             "{count: %d, ignored: %d, duration: %.3f}", stats.count, stats.ignored, time.monotonic() - started
         )
 
+    def apply_batch(
+        self,
+        sub: psycopg.Connection,
+        prov: psycopg.Connection,
+        node: nodes.Node,
+        tables: list[subscriber.SubscriberTable],
+        info: BatchInfo,
+        appliers: dict[str, TableApplier],
+    ) -> BatchStats:
+        """Inside the batch's transaction: stage, carry (a branch), apply, record the tick."""
+        assert info.batch_id is not None and info.cur_tick_id is not None
+        carry = node.role.copies_events or bool(node.combined_queue)
+        stage_batch(prov, sub, info.batch_id, carry=carry)
+        if node.combined_queue:
+            self.drop_partition_truncates(sub)
+        elif carry:
+            q.carry_events(sub, self.queue, STAGE_TABLE)
+        stats = apply_staged(sub, appliers, queue=self.queue)
+        if node.combined_queue:
+            merge_staged(sub, node.combined_queue, self.queue, info.cur_tick_id, list(appliers))
+        if stats.table_list is not None:
+            self.drop_tables_left_the_set(sub, prov, tables, stats.table_list)
+            if node.role.copies_events:
+                set_tables.mirror_set_tables(sub, self.queue, set_tables.set_table_rows(prov, self.queue))
+        if node.role.copies_events:
+            q.branch_tick(sub, self.queue, info.cur_tick_id, info.cur_tick_time, info.cur_tick_event_seq)
+        nodes.record_applied(sub, self.queue, info.cur_tick_id)
+        subscriber.sync_sequences(prov, sub, self.queue)
+        return stats
+
     # --- a merge-leaf (combined partitions) ---
     def combined_is_root(self, sub: psycopg.Connection, node: nodes.Node) -> bool:
+        assert node.combined_queue is not None
         combined = nodes.get_node(sub, node.combined_queue)
-        return combined is not None and combined.node_type == "root"
+        return combined is not None and combined.role.is_root
 
     def follow_combined(self, prov: psycopg.Connection, node: nodes.Node) -> None:
         """On a combined-failover node the combined queue brings this partition's changes (its
         markers move node.last_tick): keep the partition's history only from there on, and
         apply nothing until a takeover makes the combined node here the root."""
-        pos = prov.execute(
-            "select tick_id from pgcascade.consumer_tick(%s, %s)", (self.queue, node.worker_name)
-        ).fetchone()
+        pos = q.consumer_tick(prov, self.queue, node.consumer)
         if node.last_tick and pos and pos[0] < node.last_tick:
-            resume_at(prov, self.queue, node.worker_name, node.last_tick)
+            q.resume_at(prov, self.queue, node.consumer, node.last_tick)
 
     @staticmethod
     def drop_partition_truncates(sub: psycopg.Connection) -> None:
         """A partition's TRUNCATE would empty the merged table of every partition: not applied."""
-        n = sub.execute("delete from pg_temp.pgcascade_stage where ev_type = 'R'").rowcount
+        n = sub.execute(f"delete from {STAGE_TABLE} where ev_type = 'R'").rowcount
         if n:
             log.warning("merge-leaf: %d TRUNCATE events of the partition not applied to the merged tables", n)
 
@@ -306,12 +247,10 @@ class Worker(Daemon):
         now = time.monotonic()
         if now < self.next_watermark:
             return
-        self.next_watermark = now + self.watermark_period
-        wm = sub.execute("select pgcascade.local_watermark(%s)", (self.queue,)).fetchone()[0]
+        self.next_watermark = now + self.cfg.worker.watermark_period
+        wm = nodes.local_watermark(sub, self.queue)
         if wm is not None:
-            prov.execute(
-                "select pgcascade.set_subscriber_watermark(%s, %s, %s)", (self.queue, node.node_name, wm)
-            )
+            nodes.set_subscriber_watermark(prov, self.queue, node.node_name, wm)
 
     def drop_tables_left_the_set(
         self,
@@ -323,7 +262,7 @@ class Worker(Daemon):
         """The root removed tables from the set (a T event): unregister them here too (the seed's
         rule) - those the provider does not have now either, so an old T event never removes a
         table that was added back since."""
-        now_in_set = set(provider_formats(prov, self.queue))
+        now_in_set = set(set_tables.set_tables(prov, self.queue))
         gone = [t.table_name for t in tables if t.table_name not in in_set and t.table_name not in now_in_set]
         if gone:
             subscriber.remove_tables(sub, self.queue, gone)
@@ -333,10 +272,10 @@ class Worker(Daemon):
     def appliers_for(
         self, sub: psycopg.Connection, prov: psycopg.Connection, tables: list[subscriber.SubscriberTable]
     ) -> dict[str, TableApplier]:
-        ok = [t for t in tables if t.state == "ok"]
+        ok = [t for t in tables if t.state.is_ok]
         key = tuple((t.table_name, t.dest_table) for t in ok)
         if key != self.applier_key:
-            formats = provider_formats(prov, self.queue)
+            formats = set_tables.event_formats(prov, self.queue)
             self.appliers = {
                 t.table_name: TableApplier.build(sub, prov, t, formats.get(t.table_name, "json")) for t in ok
             }
@@ -347,83 +286,13 @@ class Worker(Daemon):
         message = db_error_line(e) if isinstance(e, psycopg.Error) else str(e)
         with (
             contextlib.suppress(psycopg.Error),
-            pgconn.connect(self.cfg.db, autocommit=True, connect_timeout=5) as c,
+            pgconn.connect(self.db, autocommit=True, connect_timeout=5) as c,
         ):
             nodes.record_error(c, self.queue, message)
 
-    # --- copy processes ---
-    def manage_copies(
-        self, sub: psycopg.Connection, node: nodes.Node, tables: list[subscriber.SubscriberTable]
-    ) -> bool:
-        """Hand tables over and start copies; whether any table's state changed."""
-        for name in [n for n, p in self.copies.items() if p.poll() is not None]:
-            del self.copies[name]
-        changed = False
-        for t in tables:
-            if t.state == "ok":
-                continue
-            if (t.state or "").startswith("wanna-sync"):
-                wanted = state_tick(t.state) or 0
-                if (node.last_tick or 0) >= wanted:
-                    subscriber.set_state(sub, self.queue, t.table_name, f"do-sync:{node.last_tick}")
-                    log.info("%s: wanna-sync:%d -> do-sync:%d", t.table_name, wanted, node.last_tick)
-                    changed = True
-            if self.copy_running(t):
-                continue
-            if t.state is None:
-                if len(self.copies) >= self.parallel_copies:
-                    continue
-                forget_plan(sub, self.queue, t.table_name)  # a new copy: an old Spark copy plan goes
-                subscriber.set_state(sub, self.queue, t.table_name, "in-copy")
-                log.info("%s: starting initial copy", t.table_name)
-                changed = True
-            self.launch_copy(t.table_name)
-        return changed
-
-    def copy_running(self, t: subscriber.SubscriberTable) -> bool:
-        p = self.copies.get(t.table_name)
-        if p is not None and p.poll() is None:
-            return True
-        # a copy started by an earlier worker may still be at work
-        return bool(t.copy_pid) and pid_alive(t.copy_pid) and is_copy_process(t.copy_pid)
-
-    def launch_copy(self, table: str) -> None:
-        cmd = [sys.executable, "-m", "pgcascade", "-q", str(self.cfg.path), "copy", table]
-        self.copies[table] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-
-    def stop_copies(self) -> None:
-        """SIGTERM to every copy process of this node, ours or an earlier worker's (Londiste's -s/-k rule)."""
-        pids = {p.pid for p in self.copies.values() if p.poll() is None}
-        # a connection of its own: this also runs in the SIGTERM handler, which may have
-        # interrupted the main connection's query (its lock is held: using it would hang)
-        with (
-            contextlib.suppress(psycopg.Error),
-            pgconn.connect(self.cfg.db, autocommit=True, connect_timeout=5) as conn,
-        ):
-            pids |= {t.copy_pid for t in subscriber.tables(conn, self.queue) if t.copy_pid}
-        for pid in pids:
-            if pid_alive(pid) and is_copy_process(pid):
-                log.info("stopping copy process %d", pid)
-                os.kill(pid, signal.SIGTERM)
-        for p in self.copies.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=10)
-
     def on_kill(self) -> None:
-        self.stop_copies()
+        self.copies.stop_all()
 
     def shutdown(self) -> None:
-        self.stop_copies()
+        self.copies.stop_all()
         self.drop_connections()
-
-
-def is_copy_process(pid: int) -> bool:
-    """Whether `pid` runs a pgcascade copy (pids are reused: never signal a stranger)."""
-    try:
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return b"pgcascade" in args and b"copy" in args
-
-
-__all__ = ["ApplyError", "Worker"]

@@ -1,0 +1,114 @@
+"""Nodes join the set: create-root, create-branch, create-leaf, and the locations every node
+learns from the root (`pgcascade.location` events).
+"""
+
+from __future__ import annotations
+
+import psycopg
+
+from pgcascade.capture import tables as set_tables
+from pgcascade.cascade.survey import connect, find_root
+from pgcascade.core import pgconn, schema
+from pgcascade.core.errors import RuntimeFailure, UserError
+from pgcascade.pgq import node as nodes
+from pgcascade.pgq import queue as q
+from pgcascade.pgq.node import NodeType
+
+
+def already_node(conn: psycopg.Connection, queue: str, node_name: str, node_type: NodeType) -> bool:
+    """True if this database is that node already (creating it again is a no-op); an error if
+    it is another node of the set."""
+    existing = nodes.get_node(conn, queue)
+    if existing is None:
+        return False
+    if existing.node_name == node_name and existing.node_type is node_type:
+        return True
+    raise UserError(f"this database is already node {existing.node_name} ({existing.node_type}) of {queue}")
+
+
+def create_root(conn: psycopg.Connection, queue: str, node_name: str, location: str) -> bool:
+    """Install the schema, create the set's queue and register this database as its root."""
+    schema.install(conn)
+    if already_node(conn, queue, node_name, NodeType.ROOT):
+        return False
+    with conn.transaction():
+        q.create_queue(conn, queue)
+        nodes.insert_node(conn, queue, node_name, NodeType.ROOT)
+        nodes.set_location(conn, queue, node_name, location)
+    return True
+
+
+def create_subscriber(
+    conn: psycopg.Connection,
+    queue: str,
+    node_name: str,
+    node_type: NodeType,
+    location: str,
+    provider_connstr: str,
+    merge: str | None = None,
+) -> bool:
+    """Install the schema here and make this database a leaf or a branch of the set: register
+    it as a consumer on the provider's queue and record the provider's view of the set's
+    locations.  A branch gets a queue of its own that starts at the tick it registered at,
+    and a copy of the set's table list (its own subscribers choose from it).  A leaf given
+    `merge` (a combined queue of this database) is a merge-leaf."""
+    schema.install(conn)
+    if already_node(conn, queue, node_name, node_type):
+        return False
+    if merge is not None:
+        combined = nodes.get_node(conn, merge)
+        if node_type is not NodeType.LEAF or combined is None or not combined.role.has_queue:
+            raise UserError(
+                f"--merge={merge}: a merge-leaf needs the combined set's root or branch in this database first"
+            )
+    with pgconn.connect(provider_connstr, autocommit=True, connect_timeout=10) as prov:
+        pnode = nodes.get_node(prov, queue)
+        if pnode is None or not pnode.role.has_queue:
+            raise UserError(f"the provider is not a root or branch of set {queue!r}")
+        if pnode.node_name == node_name:
+            raise UserError(f"node name {node_name!r} is the provider's own name")
+        with prov.transaction():
+            q.register_consumer(prov, queue, node_name)
+            position = q.consumer_tick(prov, queue, node_name)
+            assert position is not None
+            nodes.set_location(prov, queue, node_name, location)
+        locations = nodes.locations(prov, queue)
+        rows = set_tables.set_table_rows(prov, queue)
+    tick, tick_time, event_seq = position
+    with conn.transaction():
+        if node_type is NodeType.BRANCH:
+            q.create_branch_queue(conn, queue, tick, tick_time, event_seq)
+            set_tables.mirror_set_tables(conn, queue, rows)
+        nodes.insert_node(conn, queue, node_name, node_type, pnode.node_name, tick, merge)
+        for name, (loc, _dead) in locations.items():
+            nodes.set_location(conn, queue, name, loc)
+        nodes.set_location(conn, queue, pnode.node_name, provider_connstr)
+        nodes.set_location(conn, queue, node_name, location)
+    return True
+
+
+def announce_location(
+    root: psycopg.Connection, queue: str, name: str, location: str | None, dead: bool = False
+) -> None:
+    """On the root: store a node's location (None: the node left) and send it down the set."""
+    with root.transaction():
+        if location is None:
+            nodes.delete_location(root, queue, name)
+        else:
+            nodes.set_location(root, queue, name, location)
+            if dead:
+                nodes.mark_dead(root, queue, name)
+        q.insert_event(root, queue, "pgcascade.location", name, location, "dead" if dead else None)
+
+
+def announce_at_root(
+    conn: psycopg.Connection, queue: str, name: str, location: str | None, dead: bool = False
+) -> bool:
+    """announce_location on the root, wherever it is; False when the root cannot be reached."""
+    try:
+        _, root_loc = find_root(conn, queue)
+        with connect(root_loc) as root:
+            announce_location(root, queue, name, location, dead)
+        return True
+    except (psycopg.OperationalError, RuntimeFailure):
+        return False

@@ -1,0 +1,79 @@
+"""The daemons: ticker, worker (Londiste 2: replay), capture, and the copy process the worker
+starts.  Each runs in the foreground, or with -d in the background; -s, -k and -r signal the
+running one through its pidfile."""
+
+from __future__ import annotations
+
+import click
+import psycopg
+
+from pgcascade.capture import logical
+from pgcascade.capture.daemon import WalCapture
+from pgcascade.cli.context import Context, control_or_start, daemon_switches, pass_ctx
+from pgcascade.core.daemon import setup_logging
+from pgcascade.pgq.ticker import Ticker
+from pgcascade.pipeline.copy import SparkCopier
+from pgcascade.replica.copy import CopyProcess
+from pgcascade.replica.worker import Worker
+
+
+@click.command()
+@click.argument("config", required=False)
+@daemon_switches
+@click.pass_context
+def ticker(cctx: click.Context, config: str | None, detach: bool, ctl: str | None) -> None:
+    """Run the ticker daemon: ticks and maintenance for every configured database."""
+    ctx: Context = cctx.obj
+    if config:
+        ctx.config_path = config
+    control_or_start(ctx, Ticker, detach, ctl)
+
+
+def refuse_without_node(ctx: Context) -> None:
+    """A database that is no node has no worker: say so and exit 2 instead of starting a
+    daemon that retries forever.  An unreachable database is left to the daemon.  A root's
+    worker waits, for the day a takeover makes the root a branch."""
+    try:
+        conn = ctx.connect()
+    except psycopg.OperationalError:
+        return
+    with conn:
+        ctx.node(conn)
+
+
+@click.command()
+@daemon_switches
+@pass_ctx
+def worker(ctx: Context, detach: bool, ctl: str | None) -> None:
+    """Run the replay worker of this node (-d detach, -s stop, -k kill, -r reload)."""
+    if not ctl:
+        refuse_without_node(ctx)
+    control_or_start(ctx, lambda cfg: Worker(cfg, bulk=SparkCopier()), detach, ctl)
+
+
+@click.command("capture")
+@daemon_switches
+@pass_ctx
+def capture(ctx: Context, detach: bool, ctl: str | None) -> None:
+    """Run the root's logical capture daemon: the slot into the queue (-d, -s, -k, -r)."""
+    if not ctl:
+        try:
+            conn = ctx.connect()
+        except psycopg.OperationalError:
+            conn = None  # unreachable: the daemon retries
+        if conn is not None:
+            with conn:
+                logical.refuse_without_logical_root(conn, ctx.queue())
+    control_or_start(ctx, WalCapture, detach, ctl)
+
+
+@click.command(hidden=True)
+@click.argument("table")
+@pass_ctx
+def copy(ctx: Context, table: str) -> None:
+    """Internal: the copy process of one table (the worker starts it)."""
+    setup_logging(ctx.cfg.logfile, verbose=ctx.verbose, quiet=ctx.quiet)
+    CopyProcess(ctx.cfg, table, bulk=SparkCopier()).start()
+
+
+COMMANDS = [ticker, worker, capture, copy]

@@ -1,0 +1,95 @@
+"""Verbs that make a database a node: install, create-root, create-branch, create-leaf."""
+
+from __future__ import annotations
+
+import click
+
+from pgcascade.capture import logical
+from pgcascade.capture import tables as set_tables
+from pgcascade.cascade import join
+from pgcascade.cli.context import Context, pass_ctx
+from pgcascade.core import schema
+from pgcascade.core.errors import UserError
+from pgcascade.pgq.node import NodeType
+
+
+@click.command()
+@pass_ctx
+def install(ctx: Context) -> None:
+    """Install or upgrade pgcascade's schema in the job's database."""
+    with ctx.connect() as conn:
+        before, after = schema.install(conn)
+    if before == after:
+        click.echo(f"pgcascade schema is at version {after}; functions refreshed")
+    else:
+        click.echo(f"pgcascade schema upgraded from version {before} to {after}")
+
+
+@click.command("create-root")
+@click.argument("node_name")
+@click.argument("location", required=False)
+@click.option(
+    "--capture",
+    "capture_mode",
+    type=click.Choice(["trigger", "logical"]),
+    help="How changes are captured: trigger (default) or logical (a slot read by the capture daemon).",
+)
+@pass_ctx
+def create_root(ctx: Context, node_name: str, location: str | None, capture_mode: str | None) -> None:
+    """Make this database the root of the set: install, create the queue."""
+    with ctx.connect() as conn:
+        created = join.create_root(conn, ctx.queue(), node_name, location or ctx.db())
+        is_logical = logical.is_logical(conn, ctx.queue())
+        if capture_mode == "logical":
+            created = set_tables.use_logical(conn, ctx.queue()) or created
+            is_logical = True
+        elif capture_mode == "trigger" and is_logical:
+            raise UserError(f"root of {ctx.queue()} captures through a slot already (logical)")
+    mode = "logical: run the capture daemon" if is_logical else "trigger"
+    click.echo(
+        f"root {node_name} of {ctx.queue()}: {'created' if created else 'exists already'} (capture {mode})"
+    )
+
+
+def create_subscriber(
+    ctx: Context,
+    node_type: NodeType,
+    node_name: str,
+    location: str | None,
+    provider: str,
+    merge: str | None = None,
+) -> bool:
+    with ctx.connect() as conn:
+        loc = location or ctx.db()
+        created = join.create_subscriber(conn, ctx.queue(), node_name, node_type, loc, provider, merge)
+        if created and not join.announce_at_root(conn, ctx.queue(), node_name, loc):
+            click.echo("the root is unreachable: other nodes learn this node's location later", err=True)
+    return created
+
+
+@click.command("create-branch")
+@click.argument("node_name")
+@click.argument("location", required=False)
+@click.option("--provider", "provider", required=True, help="Connection string of the provider node.")
+@pass_ctx
+def create_branch(ctx: Context, node_name: str, location: str | None, provider: str) -> None:
+    """Make this database a branch: it replays and carries the provider's queue."""
+    created = create_subscriber(ctx, NodeType.BRANCH, node_name, location, provider)
+    click.echo(f"branch {node_name} of {ctx.queue()}: {'created' if created else 'exists already'}")
+
+
+@click.command("create-leaf")
+@click.argument("node_name")
+@click.argument("location", required=False)
+@click.option("--provider", "provider", required=True, help="Connection string of the provider node.")
+@click.option(
+    "--merge", help="A merge-leaf: also write the changes into this combined queue (a set rooted here)."
+)
+@pass_ctx
+def create_leaf(ctx: Context, node_name: str, location: str | None, provider: str, merge: str | None) -> None:
+    """Make this database a leaf of the set, fed by the provider."""
+    created = create_subscriber(ctx, NodeType.LEAF, node_name, location, provider, merge)
+    click.echo(f"leaf {node_name} of {ctx.queue()}: {'created' if created else 'exists already'}")
+
+
+COMMANDS = [install, create_root, create_branch, create_leaf]

@@ -1,0 +1,128 @@
+"""PgQ's administration: queues and consumers directly; and `status`, `config`."""
+
+from __future__ import annotations
+
+import click
+
+from pgcascade.cli.context import Context, pass_ctx
+from pgcascade.core.config import known_keys
+from pgcascade.core.errors import UserError, redact
+from pgcascade.monitor import status as monitor
+from pgcascade.pgq import node as nodes
+from pgcascade.pgq import queue as q
+
+
+@click.group("queue")
+def queue_group() -> None:
+    """Manage queues and consumers directly (PgQ's administration)."""
+
+
+@queue_group.command("create")
+@click.argument("name")
+@pass_ctx
+def queue_create(ctx: Context, name: str) -> None:
+    """Create queue NAME."""
+    with ctx.connect() as conn:
+        created = q.create_queue(conn, name)
+    click.echo(f"queue {name}: {'created' if created else 'exists already'}")
+
+
+@queue_group.command("drop")
+@click.argument("name")
+@click.option("--force", is_flag=True, help="Drop even with consumers registered.")
+@pass_ctx
+def queue_drop(ctx: Context, name: str, force: bool) -> None:
+    """Drop queue NAME and its events."""
+    with ctx.connect() as conn:
+        q.drop_queue(conn, name, force)
+    click.echo(f"queue {name}: dropped")
+
+
+@queue_group.command("config")
+@click.argument("name")
+@click.argument("settings", nargs=-1, required=True)
+@pass_ctx
+def queue_config(ctx: Context, name: str, settings: tuple[str, ...]) -> None:
+    """Set queue parameters: KEY=VALUE (ticker_max_count, ticker_max_lag, rotation_period, ...)."""
+    pairs = []
+    for s in settings:
+        if "=" not in s:
+            raise UserError(f"expected KEY=VALUE, got {s!r}")
+        key, value = s.split("=", 1)
+        pairs.append((key.strip(), value.strip()))
+    with ctx.connect(autocommit=False) as conn:
+        for key, value in pairs:
+            q.set_queue_config(conn, name, key, value)
+    click.echo(f"queue {name}: " + ", ".join(f"{k}={v}" for k, v in pairs))
+
+
+@queue_group.command("register")
+@click.argument("name")
+@click.argument("consumer")
+@pass_ctx
+def queue_register(ctx: Context, name: str, consumer: str) -> None:
+    """Register CONSUMER on queue NAME."""
+    with ctx.connect() as conn:
+        new = q.register_consumer(conn, name, consumer)
+    click.echo(f"consumer {consumer} on {name}: {'registered' if new else 'was registered already'}")
+
+
+@queue_group.command("unregister")
+@click.argument("name")
+@click.argument("consumer")
+@pass_ctx
+def queue_unregister(ctx: Context, name: str, consumer: str) -> None:
+    """Unregister CONSUMER from queue NAME."""
+    with ctx.connect() as conn:
+        q.unregister_consumer(conn, name, consumer)
+    click.echo(f"consumer {consumer} on {name}: unregistered")
+
+
+@queue_group.command("tick")
+@click.argument("name")
+@pass_ctx
+def queue_tick(ctx: Context, name: str) -> None:
+    """Make a tick on queue NAME now."""
+    with ctx.connect() as conn:
+        tick = q.ticker(conn, name)
+    click.echo(f"queue {name}: tick {tick}")
+
+
+@click.command()
+@pass_ctx
+def status(ctx: Context) -> None:
+    """Show this node (type, provider, lag, tables per state, last error), or the queues."""
+    with ctx.connect() as conn:
+        node = nodes.get_node(conn, ctx.cfg.queue_name) if ctx.cfg.queue_name else None
+        if node is None:
+            monitor.print_queue_status(conn)
+        else:
+            monitor.print_node_status(conn, node)
+
+
+@click.command("config")
+@click.pass_context
+def config(cctx: click.Context) -> None:
+    """List every config key: its value in CONFIG (when given), default and meaning."""
+    ctx: Context = cctx.obj
+    cfg = ctx.cfg if ctx.config_path else None
+    for k in known_keys():
+        default = "-" if k.default in (None, "", ()) else k.default
+        line = f"{k.name:<22} {k.type:<16} default {default}"
+        if cfg is not None:
+            line += f"  = {config_value(cfg, k.group, k.name)}"
+        click.echo(f"{line}\n    [{k.group}] {k.help}")
+    for key, value in cfg.unknown.items() if cfg else ():
+        click.echo(f"{key:<22} unknown to this release: ignored (= {value})")
+    for key, value in cfg.spark_conf.items() if cfg else ():
+        click.echo(f"{key:<22} passed to Spark as given (= {value})")
+
+
+def config_value(cfg: object, group: str, name: str) -> object:
+    """The key's value in the loaded config; passwords in connection strings hidden."""
+    holder = cfg if group == "job" else getattr(cfg, group)
+    value = getattr(holder, name)
+    return redact(str(value)) if isinstance(value, str) else value
+
+
+COMMANDS = [queue_group, status, config]

@@ -1,0 +1,202 @@
+"""Table and sequence verbs.  On the root they change what is captured (pgcascade.capture);
+on a subscriber, what is replicated here (pgcascade.replica)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from pgcascade.capture import tables as set_tables
+from pgcascade.cascade import admin, waits
+from pgcascade.cli.context import Context, pass_ctx, require_subscriber, say
+from pgcascade.core.errors import UserError
+from pgcascade.pgq import queue as q
+from pgcascade.replica import tables as subscriber
+
+
+def echo_each(verb: str, names: list[str]) -> None:
+    for n in names:
+        click.echo(f"{verb} {n}")
+
+
+@click.command("add-table")
+@click.argument("tables", nargs=-1)
+@click.option(
+    "--all", "all_tables", is_flag=True, help="Every table (root: of the database; leaf: of the set)."
+)
+@click.option("--key", help="Root: key columns of a table without a primary key (COL[,COL...]).")
+@click.option(
+    "--format",
+    "event_format",
+    default="json",
+    show_default=True,
+    help="Root: json or sql (the seed's partial SQL).",
+)
+@click.option("--expect-sync", is_flag=True, help="Subscriber: the table is in sync already; skip the copy.")
+@click.option("--skip-truncate", is_flag=True, help="Subscriber: keep the rows already there when copying.")
+@click.option("--force", is_flag=True, help="Subscriber: skip the structure check.")
+@click.option("--create", is_flag=True, help="Subscriber: create the table from the provider's definition.")
+@click.option("--dest-table", help="Subscriber: apply to this local table instead.")
+@click.option(
+    "--allow-local-writes", is_flag=True, help="Subscriber: do not refuse writes of ordinary sessions."
+)
+@click.option("--no-wait", is_flag=True, help="Subscriber: do not wait for tables just added on the root.")
+@click.option("--timeout", default=600.0, show_default=True, help="Subscriber: seconds to wait for them.")
+@pass_ctx
+def add_table(
+    ctx: Context,
+    tables: tuple[str, ...],
+    all_tables: bool,
+    key: str | None,
+    event_format: str,
+    no_wait: bool,
+    timeout: float,
+    **opts: object,
+) -> None:
+    """Replicate tables: on the root, capture them; on a subscriber, subscribe to them."""
+    if not tables and not all_tables:
+        raise UserError("add-table needs table names (or --all)")
+    queue = ctx.queue()
+    with ctx.this_node() as (conn, node):
+        if node.role.captures_changes:
+            keys = [k.strip() for k in key.split(",")] if key else None
+            added = set_tables.add_tables(conn, queue, list(tables), all_tables, keys, event_format)
+        else:
+            if key or event_format != "json":
+                raise UserError("--key and --format are set on the root, where tables are captured")
+            with ctx.provider(conn, node) as prov:
+                if not no_wait and tables:
+                    waits.wait_provider_has_tables(conn, prov, queue, list(tables), say, timeout)
+                added = subscriber.add_tables(conn, prov, queue, list(tables), all_tables, **opts)  # type: ignore[arg-type]
+            if node.combined_queue and added:
+                admin.register_merged_tables(conn, node.combined_queue, queue, added)
+    echo_each("added", added)
+
+
+@click.command("remove-table")
+@click.argument("tables", nargs=-1, required=True)
+@pass_ctx
+def remove_table(ctx: Context, tables: tuple[str, ...]) -> None:
+    """Stop replicating tables (the tables and their rows stay)."""
+    with ctx.this_node() as (conn, node):
+        owner = set_tables if node.role.captures_changes else subscriber
+        echo_each("removed", owner.remove_tables(conn, ctx.queue(), list(tables)))
+
+
+@click.command("tables")
+@pass_ctx
+def tables_cmd(ctx: Context) -> None:
+    """List the replicated tables (on a subscriber, with their state)."""
+    with ctx.this_node() as (conn, node):
+        if node.role.captures_changes:
+            for t, keys in set_tables.set_tables(conn, ctx.queue()).items():
+                click.echo(f"{t}  key: {', '.join(keys)}")
+            return
+        for st in subscriber.tables(conn, ctx.queue()):
+            dest = f" -> {st.dest_table}" if st.dest_table != st.table_name else ""
+            click.echo(f"{st.table_name}{dest}  {st.state}")
+
+
+@click.command("missing")
+@pass_ctx
+def missing(ctx: Context) -> None:
+    """List the provider's tables this subscriber does not replicate."""
+    with ctx.this_node() as (conn, node):
+        require_subscriber(node, "missing")
+        with ctx.provider(conn, node) as prov:
+            for t in subscriber.missing_tables(conn, prov, ctx.queue()):
+                click.echo(t)
+
+
+@click.command("resync")
+@click.argument("tables", nargs=-1, required=True)
+@pass_ctx
+def resync(ctx: Context, tables: tuple[str, ...]) -> None:
+    """Copy tables again (their state goes back to NULL)."""
+    with ctx.this_node() as (conn, node):
+        require_subscriber(node, "resync")
+        echo_each("resync", subscriber.resync_tables(conn, ctx.queue(), list(tables)))
+
+
+@click.command("add-seq")
+@click.argument("seqs", nargs=-1)
+@click.option("--all", "all_seqs", is_flag=True, help="Every sequence.")
+@pass_ctx
+def add_seq(ctx: Context, seqs: tuple[str, ...], all_seqs: bool) -> None:
+    """Replicate sequences: their values follow the root."""
+    if not seqs and not all_seqs:
+        raise UserError("add-seq needs sequence names (or --all)")
+    with ctx.this_node() as (conn, node):
+        if node.role.captures_changes:
+            added = set_tables.add_seqs(conn, ctx.queue(), list(seqs), all_seqs)
+        else:
+            with ctx.provider(conn, node) as prov:
+                added = subscriber.add_seqs(conn, prov, ctx.queue(), list(seqs), all_seqs)
+    echo_each("added", added)
+
+
+@click.command("remove-seq")
+@click.argument("seqs", nargs=-1, required=True)
+@pass_ctx
+def remove_seq(ctx: Context, seqs: tuple[str, ...]) -> None:
+    """Stop replicating sequences."""
+    with ctx.this_node() as (conn, node):
+        owner = set_tables if node.role.captures_changes else subscriber
+        owner.remove_seqs(conn, ctx.queue(), list(seqs))
+    click.echo("removed " + ", ".join(seqs))
+
+
+@click.command("seqs")
+@pass_ctx
+def seqs_cmd(ctx: Context) -> None:
+    """List the replicated sequences."""
+    with ctx.this_node() as (conn, node):
+        if node.role.captures_changes:
+            names = set_tables.set_seqs(conn, ctx.queue())
+        else:
+            names = [s for s, _ in subscriber.seqs(conn, ctx.queue())]
+    for n in names:
+        click.echo(n)
+
+
+@click.command("execute")
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@pass_ctx
+def execute(ctx: Context, files: tuple[str, ...]) -> None:
+    """Run SQL scripts on the root and, at the same position of the stream, on every subscriber."""
+    with ctx.this_node() as (conn, node):
+        if not node.role.captures_changes:
+            raise UserError("execute runs on the root: its subscribers replay the script from the queue")
+        for f in files:
+            text = Path(f).read_text()
+            with conn.transaction():
+                conn.execute(text.encode())
+                set_tables.refresh_sql_capture(conn, ctx.queue())
+                # with logical capture, through the WAL: in order with the changes around it
+                q.emit_event(conn, ctx.queue(), "EXECUTE", text, Path(f).name)
+            click.echo(f"executed {f}")
+
+
+@click.command("wait-sync")
+@click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait at most.")
+@pass_ctx
+def wait_sync(ctx: Context, timeout: float) -> None:
+    """Wait until every table is ok and this node has applied everything committed before now."""
+    with ctx.this_node() as (conn, node), ctx.provider(conn, node) as prov:
+        waits.wait_sync(conn, prov, node, timeout)
+    click.echo("in sync")
+
+
+COMMANDS = [
+    add_table,
+    remove_table,
+    tables_cmd,
+    missing,
+    resync,
+    add_seq,
+    remove_seq,
+    seqs_cmd,
+    execute,
+    wait_sync,
+]
