@@ -1,8 +1,24 @@
 #!/usr/bin/env bash
-# Command 2 of the README: install what is missing, then lint and run the whole test suite.
+# Command 2 of the README: install what is missing, then lint, type-check, check the layering
+# and run the tests.
+#   ./test.sh                 every tier (what CI runs)
+#   ./test.sh unit|db|scenario [PYTEST ARGS]   one tier; unit needs neither PostgreSQL nor Spark
 set -euo pipefail
 cd "$(dirname "$0")"
-bash scripts/install.sh
+paths=()
+case "${1:-}" in
+  unit | db | scenario)
+    paths=("tests/$1")
+    shift
+    ;;
+esac
+if [ "${paths[*]-}" = "tests/unit" ]; then
+  bash scripts/install.sh --python-only
+else
+  bash scripts/install.sh
+fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-exec .venv/bin/pytest "$@"
+.venv/bin/mypy
+.venv/bin/lint-imports --no-cache
+exec .venv/bin/pytest "${paths[@]}" "$@"

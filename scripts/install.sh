@@ -4,12 +4,16 @@
 #     when run as root; otherwise names the missing ones and stops;
 #   - a virtualenv in .venv with pgcascade and its Python dependencies.
 # Re-running it is cheap: it only installs what is missing.
+# --python-only: the virtualenv alone (the unit tests need no PostgreSQL, Java or Spark jar).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+python_only=false
+[ "${1:-}" = "--python-only" ] && python_only=true
 
 DEB_PACKAGES=(postgresql-15 postgresql-client-15 openjdk-17-jre-headless libpostgresql-jdbc-java python3-venv)
 
 missing=()
+$python_only && DEB_PACKAGES=(python3-venv)
 for p in "${DEB_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done

@@ -1,4 +1,6 @@
-"""Fixtures: real PostgreSQL clusters, a fresh database per test, the CLI and daemons as processes.
+"""Fixtures of the db and scenario tiers: real PostgreSQL clusters, a fresh database per
+test, the CLI and daemons as processes.  (tests/unit uses none of them: it runs with no
+PostgreSQL installed.)  Every test under tests/scenario is marked `slow`.
 
 Clusters are started once per session (on first use) and shared; each test gets databases of
 its own.  A test that restarts or crashes a server asks for `private_cluster` instead.  When a
@@ -27,6 +29,12 @@ from pgcascade.core import schema
 from pgcascade.dev.localcluster import LocalCluster, new_cluster
 
 PGCASCADE = [sys.executable, "-m", "pgcascade"]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "scenario" in item.path.parts:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -122,7 +122,9 @@ def config_value(cfg: object, group: str, name: str) -> object:
     """The key's value in the loaded config; passwords in connection strings hidden."""
     holder = cfg if group == "job" else getattr(cfg, group)
     value = getattr(holder, name)
-    return redact(str(value)) if isinstance(value, str) else value
+    if value is None:
+        return "-"
+    return redact(value) if isinstance(value, str) else value
 
 
 COMMANDS = [queue_group, status, config]

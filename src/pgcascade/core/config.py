@@ -48,8 +48,8 @@ class TickerSettings:
     )
     retry_period: float = setting(1.0, "moving due retry events back into their queues", minimum=0.01)
     maint_period: float = setting(10.0, "rotation and tick cleanup", minimum=0.01)
-    vacuum_period: float = setting(300.0, "VACUUM of the small, often-updated queue tables", minimum=1)
-    discover_period: float = setting(60.0, "looking for new databases with pgcascade installed", minimum=1)
+    vacuum_period: float = setting(300.0, "VACUUM of the small, often-updated queue tables", minimum=0.01)
+    discover_period: float = setting(60.0, "looking for new databases with pgcascade installed", minimum=0.01)
     base_connstr: str = setting("", "connection string the database names of database_list are added to")
     database_list: tuple[str, ...] = setting(
         (), "databases to serve (comma-separated); default: db, else all"

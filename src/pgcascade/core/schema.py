@@ -4,8 +4,10 @@ The schema lives in versioned files shipped with the package:
 
 - `sql/migrations/NNNN_name.sql` change tables and types.  Each runs once, in order, and is
   recorded in `pgcascade.schema_version`; the schema version is the highest one applied.
-- `sql/functions/*.sql` hold the server-side functions as `CREATE OR REPLACE`; they are
-  applied again on every install, so an upgrade always leaves the functions of this release.
+- `sql/pgq`, `sql/capture`, `sql/replica` hold the server-side functions of each role as
+  `CREATE OR REPLACE`; they are applied again on every install, so an upgrade always leaves the
+  functions of this release.  Their number prefixes order them across the directories (a SQL
+  function's body may call only functions made before it).
 
 Everything happens in one transaction under an advisory lock: two installers never interleave,
 and a failed upgrade leaves the database as it was.
@@ -42,8 +44,11 @@ def migrations() -> list[Migration]:
     return sorted(found, key=lambda m: m.version)
 
 
+FUNCTION_DIRS = ("pgq", "capture", "replica")
+
+
 def function_files() -> list[tuple[str, str]]:
-    entries = [e for e in _sql_dir("functions").iterdir() if e.name.endswith(".sql")]
+    entries = [e for d in FUNCTION_DIRS for e in _sql_dir(d).iterdir() if e.name.endswith(".sql")]
     return [(e.name, e.read_text()) for e in sorted(entries, key=lambda e: e.name)]
 
 

@@ -272,6 +272,12 @@ def split_points(
             )
         )
     ]
+    return cut_points(keys, nseg)
+
+
+def cut_points(keys: list[list[str]], nseg: int) -> list[list[str]]:
+    """From a sorted sample of keys, the nseg - 1 keys that cut it into nseg equal parts (a
+    key repeated in the sample cuts once); none when the sample is smaller than nseg."""
     if len(keys) < nseg:
         return []
     step = len(keys) / nseg

@@ -290,7 +290,7 @@ def test_bad_input_is_one_line_and_locks_nothing(synced):
             1,
             "no Spark Connect server at sc://127.0.0.1:1",
         ),
-        (("compare",), {"sync_timeout": "soon"}, 2, "sync_timeout = 'soon': must be a positive number"),
+        (("compare",), {"sync_timeout": "soon"}, 2, "sync_timeout = 'soon': must be a number of seconds"),
     ]
     for args, extra, code, message in cases:
         r.ini("leaf", r.leaf, **extra)

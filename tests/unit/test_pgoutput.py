@@ -1,0 +1,86 @@
+"""pgoutput decoding and the capture daemon's handling of row messages, from crafted bytes."""
+
+import struct
+from pathlib import Path
+
+import pytest
+
+from pgcascade.capture.daemon import WalCapture
+from pgcascade.capture.pgoutput import UNCHANGED, Reader, Relation, lsn_int, lsn_str
+from pgcascade.core.config import JobConfig
+from pgcascade.core.errors import RuntimeFailure
+
+
+def tuple_data(*values):
+    out = struct.pack(">H", len(values))
+    for v in values:
+        if v is None:
+            out += b"n"
+        elif v is UNCHANGED:
+            out += b"u"
+        else:
+            b = v.encode()
+            out += b"t" + struct.pack(">I", len(b)) + b
+    return out
+
+
+def test_lsn_text_round_trips():
+    assert lsn_int("0/0") == 0
+    assert lsn_int("16/B374D848") == (0x16 << 32) | 0xB374D848
+    for v in (0, 1, 0xFFFFFFFF, 1 << 32, (0x16 << 32) | 0xB374D848):
+        assert lsn_int(lsn_str(v)) == v
+
+
+def test_reader_walks_a_tuple_with_text_null_and_unchanged_values():
+    r = Reader(b"I" + tuple_data("1", None, UNCHANGED, "é\u00e9 text", ""))
+    assert r.tuple() == ["1", None, UNCHANGED, "é\u00e9 text", ""]
+    assert r.p == len(r.d)
+
+
+def test_reader_refuses_an_unknown_value_kind():
+    with pytest.raises(RuntimeFailure, match="unexpected tuple value kind"):
+        Reader(b"I" + struct.pack(">H", 1) + b"x").tuple()
+
+
+def capture() -> WalCapture:
+    d = WalCapture(JobConfig(path=Path("unit.ini"), job_name="unit", queue_name="q"))
+    d.rels[7] = Relation(7, "public.t", ["id", "v"], ["integer", "text"], [0])
+    return d
+
+
+def msg(kind: bytes, body: bytes) -> bytes:
+    return kind + body
+
+
+def test_a_transaction_is_buffered_per_table_and_a_key_change_becomes_delete_insert():
+    d = capture()
+    d.handle(msg(b"B", struct.pack(">qqI", 1000, 0, 42)))
+    d.handle(msg(b"I", struct.pack(">I", 7) + b"N" + tuple_data("1", "a")))
+    d.handle(msg(b"U", struct.pack(">I", 7) + b"N" + tuple_data("1", "b")))  # same key: an update
+    d.handle(msg(b"U", struct.pack(">I", 7) + b"K" + tuple_data("1", None) + b"N" + tuple_data("2", "b")))
+    d.handle(msg(b"D", struct.pack(">I", 7) + b"K" + tuple_data("2", None)))
+    d.handle(msg(b"C", struct.pack(">bqqq", 0, 1000, 1100, 0)))
+    assert d.buf[7] == [
+        ["I", ["1", "a"]],
+        ["U", ["1", "b"]],
+        ["D", ["1", None]],
+        ["I", ["2", "b"]],
+        ["D", ["2", None]],
+    ]
+    assert d.last_end == 1100 and d.txns == 1 and not d.in_txn
+
+
+def test_a_transaction_captured_before_is_skipped():
+    d = capture()
+    d.stored = 2000  # the queue holds everything whose commit starts below this
+    d.handle(msg(b"B", struct.pack(">qqI", 1500, 0, 43)))
+    d.handle(msg(b"I", struct.pack(">I", 7) + b"N" + tuple_data("3", "c")))
+    d.handle(msg(b"C", struct.pack(">bqqq", 0, 1500, 1600, 0)))
+    assert not d.buf and d.skipped == 1 and d.txns == 0
+
+
+def test_an_unchanged_toasted_value_without_the_old_row_is_an_error():
+    d = capture()
+    d.handle(msg(b"B", struct.pack(">qqI", 1000, 0, 44)))
+    with pytest.raises(RuntimeFailure, match="REPLICA IDENTITY FULL"):
+        d.handle(msg(b"U", struct.pack(">I", 7) + b"N" + tuple_data("1", UNCHANGED)))

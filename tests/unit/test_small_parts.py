@@ -1,0 +1,84 @@
+"""Pure parts that need no server: roles, password redaction, key ranges, buckets, hooks."""
+
+import time
+
+import pytest
+
+from pgcascade.core.errors import redact
+from pgcascade.core.hooks import pause_point
+from pgcascade.pgq.node import NodeRole, NodeType
+from pgcascade.pipeline import segments as sg
+from pgcascade.pipeline.compare import diff_keys, range_buckets
+from pgcascade.replica.worker import batch_cap
+
+
+def test_node_roles_follow_the_skytools_table():
+    root, branch, leaf = (NodeRole(t) for t in NodeType)
+    assert (root.captures_changes, root.has_queue, root.reads_provider_queue) == (True, True, False)
+    assert (branch.copies_events, branch.has_queue, branch.reads_provider_queue) == (True, True, True)
+    assert (leaf.has_queue, leaf.may_merge_ticks, leaf.copies_events) == (False, True, False)
+
+
+@pytest.mark.parametrize(
+    "text, hidden",
+    [
+        ("host=h password=s3cret dbname=x", "s3cret"),
+        ("host=h password='se cret' dbname=x", "se cret"),
+        ("postgresql://u:s3cret@h/db", "s3cret"),
+        ("PASSWORD = s3cret", "s3cret"),
+    ],
+)
+def test_passwords_never_reach_a_log_line(text, hidden):
+    assert hidden not in redact(text)
+    assert "***" in redact(text)
+
+
+def test_cut_points_spread_a_sorted_sample_evenly_and_never_repeat_a_cut():
+    keys = [[str(i)] for i in range(100)]
+    assert sg.cut_points(keys, 4) == [["25"], ["50"], ["75"]]
+    assert sg.cut_points([["a"]] * 50 + [["b"]] * 50, 4) == [["a"], ["b"]]
+    assert sg.cut_points(keys[:2], 4) == []  # fewer keys than ranges: one range
+
+
+def test_buckets_for_keeps_about_leaf_rows_per_bucket():
+    assert sg.buckets_for(100, 32) == 64
+    assert sg.buckets_for(250_000, 32) == 8192
+    assert sg.buckets_for(10**9, 32) == 65536
+
+
+def test_integer_buckets_cover_the_range_and_fall_back_to_hashes_on_overflow():
+    b = range_buckets(64, ["1000"], ["2000"], (0, 5000))
+    assert (b.count, b.base, b.width) == (64, 1000, 16)
+    open_ended = range_buckets(64, None, None, (10, 20))
+    assert open_ended.base == 10 and open_ended.width == 1
+    assert range_buckets(64, None, None, None).width is None
+    assert range_buckets(64, [str(-(2**62))], [str(2**62)], (0, 1)).width is None
+
+
+def test_diff_keys_names_missing_extra_and_different_rows():
+    prov = {(1,): "a", (2,): "b", (3,): "c"}
+    sub = {(1,): "a", (2,): "x", (4,): "d"}
+    assert sorted(diff_keys(prov, sub)) == [((2,), "different"), ((3,), "missing"), ((4,), "extra")]
+
+
+def test_batches_stop_at_the_lowest_hand_over_tick_ahead():
+    from pgcascade.replica.state import TableState
+    from pgcascade.replica.tables import SubscriberTable
+
+    def t(state):
+        return SubscriberTable("t", "t", ["id"], TableState.parse(state), None, None, None, False, False)
+
+    assert batch_cap([t("ok"), t(None)], 10) is None
+    assert batch_cap([t("wanna-sync:15"), t("wanna-sync:12"), t("ok")], 10) == 12
+    assert batch_cap([t("wanna-sync:8")], 10) is None  # passed already: the worker hands over
+
+
+def test_pause_points_cost_nothing_unless_asked(monkeypatch):
+    monkeypatch.delenv("PGCASCADE_PAUSE_AT", raising=False)
+    started = time.monotonic()
+    pause_point("in-copy", "t")
+    monkeypatch.setenv("PGCASCADE_PAUSE_AT", "in-copy")
+    monkeypatch.setenv("PGCASCADE_PAUSE_TABLE", "other")
+    monkeypatch.setenv("PGCASCADE_PAUSE_SECONDS", "5")
+    pause_point("in-copy", "t")  # another table
+    assert time.monotonic() - started < 1
