@@ -76,71 +76,10 @@ def run_demo(seconds: float = 30.0, keep: bool = False) -> None:
     clusters = {name: new_cluster(name, basedir=work / "clusters") for name in ("root", "branch1", "leaf1")}
     dbs = {name: c.create_database("shop") for name, c in clusters.items()}
     procs: list[subprocess.Popen] = []
-
-    def daemon(*args: str) -> None:
-        procs.append(subprocess.Popen([sys.executable, "-m", "pgcascade", "-q", *args]))
-
     try:
-        subprocess.run(
-            [str(pg_bindir() / "pgbench"), "-i", "-q", "-s", "2", dbs["root"]],
-            check=True,
-            capture_output=True,
-        )
-        with pgconn.connect(dbs["root"], autocommit=True) as c:
-            c.execute("alter table pgbench_history add column hid bigserial primary key")
-        ini = {name: write_ini(work / f"{name}.ini", name, db, loop_delay=0.5) for name, db in dbs.items()}
-        tickers = {n: write_ini(work / f"ticker_{n}.ini", f"ticker_{n}", dbs[n]) for n in ("root", "branch1")}
-        pgcascade(str(ini["root"]), "create-root", "root")
-        pgcascade(str(ini["root"]), "add-table", *FIRST)
-        pgcascade(str(ini["branch1"]), "create-branch", "branch1", "--provider", dbs["root"])
-        pgcascade(str(ini["leaf1"]), "create-leaf", "leaf1", "--provider", dbs["branch1"])
-        for n in ("branch1", "leaf1"):
-            pgcascade(str(ini[n]), "add-table", *FIRST, "--create")
-        for n in ("root", "branch1"):
-            daemon("ticker", str(tickers[n]))
-        for n in ("branch1", "leaf1"):
-            daemon(str(ini[n]), "worker")
-        load = subprocess.Popen(
-            [
-                str(pg_bindir() / "pgbench"),
-                "-n",
-                "-c",
-                "2",
-                "-j",
-                "2",
-                "-R",
-                "300",
-                "-T",
-                str(int(seconds)),
-                dbs["root"],
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        started = time.monotonic()
-        note = f"pgbench at 300 tps on the root; replicating {', '.join(FIRST)}"
-        added = False
-        with contextlib.ExitStack() as stack:
-            conns = {n: stack.enter_context(pgconn.connect(db, autocommit=True)) for n, db in dbs.items()}
-            live = stack.enter_context(Live(console=console, refresh_per_second=2))
-            while load.poll() is None:
-                elapsed = time.monotonic() - started
-                if not added and elapsed > seconds / 3:
-                    pgcascade(str(ini["root"]), "add-table", *LATER)
-                    for n in ("branch1", "leaf1"):
-                        pgcascade(str(ini[n]), "add-table", *LATER, "--create")
-                    note = f"pgbench at 300 tps; added {', '.join(LATER)} on every node under load"
-                    added = True
-                live.update(status_view(conns, elapsed, note))
-                time.sleep(0.5)
-            if load.returncode != 0:
-                err = load.stderr.read().decode().strip() if load.stderr else ""
-                raise RuntimeFailure(f"pgbench failed: {err}")
-            live.update(status_view(conns, time.monotonic() - started, "pgbench done; waiting for sync"))
-            for n in ("branch1", "leaf1"):
-                pgcascade(str(ini[n]), "wait-sync", "--timeout", "120")
-            live.update(status_view(conns, time.monotonic() - started, "in sync"))
-            check_equal(console, conns)
+        ini = build_cascade(work, dbs, procs)
+        load = start_pgbench(dbs["root"], seconds)
+        watch_until_in_sync(console, dbs, ini, load, seconds)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -153,6 +92,66 @@ def run_demo(seconds: float = 30.0, keep: bool = False) -> None:
         else:
             for cluster in clusters.values():
                 cluster.destroy()
+
+
+def build_cascade(work: Path, dbs: dict[str, str], procs: list[subprocess.Popen]) -> dict[str, Path]:
+    """pgbench's tables on the root, a branch and a leaf below it, FIRST replicated, the tickers
+    and workers running (their processes added to `procs`); returns each node's ini."""
+    subprocess.run(
+        [str(pg_bindir() / "pgbench"), "-i", "-q", "-s", "2", dbs["root"]], check=True, capture_output=True
+    )
+    with pgconn.connect(dbs["root"], autocommit=True) as c:
+        c.execute("alter table pgbench_history add column hid bigserial primary key")
+    ini = {name: write_ini(work / f"{name}.ini", name, db, loop_delay=0.5) for name, db in dbs.items()}
+    tickers = {n: write_ini(work / f"ticker_{n}.ini", f"ticker_{n}", dbs[n]) for n in ("root", "branch1")}
+    pgcascade(str(ini["root"]), "create-root", "root")
+    pgcascade(str(ini["root"]), "add-table", *FIRST)
+    pgcascade(str(ini["branch1"]), "create-branch", "branch1", "--provider", dbs["root"])
+    pgcascade(str(ini["leaf1"]), "create-leaf", "leaf1", "--provider", dbs["branch1"])
+    for n in ("branch1", "leaf1"):
+        pgcascade(str(ini[n]), "add-table", *FIRST, "--create")
+    daemons = [("ticker", str(tickers[n])) for n in ("root", "branch1")]
+    daemons += [(str(ini[n]), "worker") for n in ("branch1", "leaf1")]
+    for args in daemons:
+        procs.append(subprocess.Popen([sys.executable, "-m", "pgcascade", "-q", *args]))
+    return ini
+
+
+def start_pgbench(db: str, seconds: float) -> subprocess.Popen:
+    """TPC-B at 300 transactions a second for `seconds`."""
+    cmd = [str(pg_bindir() / "pgbench"), "-n", "-c", "2", "-j", "2", "-R", "300", "-T", str(int(seconds)), db]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def watch_until_in_sync(
+    console: Console, dbs: dict[str, str], ini: dict[str, Path], load: subprocess.Popen, seconds: float
+) -> None:
+    """The live view while pgbench runs (LATER is added on every node a third of the way in),
+    then wait-sync on the branch and the leaf, and the final check."""
+    started = time.monotonic()
+    note = f"pgbench at 300 tps on the root; replicating {', '.join(FIRST)}"
+    added = False
+    with contextlib.ExitStack() as stack:
+        conns = {n: stack.enter_context(pgconn.connect(db, autocommit=True)) for n, db in dbs.items()}
+        live = stack.enter_context(Live(console=console, refresh_per_second=2))
+        while load.poll() is None:
+            elapsed = time.monotonic() - started
+            if not added and elapsed > seconds / 3:
+                pgcascade(str(ini["root"]), "add-table", *LATER)
+                for n in ("branch1", "leaf1"):
+                    pgcascade(str(ini[n]), "add-table", *LATER, "--create")
+                note = f"pgbench at 300 tps; added {', '.join(LATER)} on every node under load"
+                added = True
+            live.update(status_view(conns, elapsed, note))
+            time.sleep(0.5)
+        if load.returncode != 0:
+            err = load.stderr.read().decode().strip() if load.stderr else ""
+            raise RuntimeFailure(f"pgbench failed: {err}")
+        live.update(status_view(conns, time.monotonic() - started, "pgbench done; waiting for sync"))
+        for n in ("branch1", "leaf1"):
+            pgcascade(str(ini[n]), "wait-sync", "--timeout", "120")
+        live.update(status_view(conns, time.monotonic() - started, "in sync"))
+        check_equal(console, conns)
 
 
 def check_equal(console: Console, conns: dict[str, psycopg.Connection]) -> None:
