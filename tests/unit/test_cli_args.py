@@ -67,3 +67,20 @@ def test_config_lists_every_key_with_its_value_and_hides_passwords(tmp_path, cap
     assert "typo_key" in out and "ignored" in out
     code, out, _ = run(["config"], capsys)  # without a file: the keys and their defaults
     assert "parallel_copies" in out and "default 2" in out
+
+
+def test_every_verb_is_in_the_table_that_loads_it_and_nowhere_else():
+    import importlib
+    import pkgutil
+
+    import pgcascade.cli as cli_pkg
+    from pgcascade.cli.main import VERBS, module_verbs
+
+    found: dict[str, str] = {}
+    for info in pkgutil.iter_modules(cli_pkg.__path__):
+        module = importlib.import_module(f"pgcascade.cli.{info.name}")
+        if hasattr(module, "COMMANDS"):
+            for verb in module_verbs(module):
+                assert verb not in found, f"{verb} in {found.get(verb)} and {info.name}"
+                found[verb] = info.name
+    assert found == VERBS

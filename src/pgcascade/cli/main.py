@@ -7,21 +7,23 @@
 
 The config comes first, as in Londiste; main() moves it behind `--config` for click.  Each
 verb lives in the module of its group (nodes, tables, cascade, daemons, queues, pipeline,
-londiste2, demo) and only parses arguments and calls a role package.  Every failure ends in one
+londiste2, demo), imported when the verb runs, and only parses arguments and calls a role
+package.  Every failure ends in one
 line on stderr and the exit code of DESIGN.md: 0 ok, 1 runtime failure, 2 usage or config
 error.  Tracebacks are for bugs only (and go to the log with -v).
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import signal
 import sys
+from types import ModuleType
 
 import click
 import psycopg
 
-from pgcascade.cli import cascade, daemons, demo, londiste2, nodes, pipeline, queues, tables
 from pgcascade.cli.context import Context
 from pgcascade.core.daemon import setup_logging
 from pgcascade.core.errors import RuntimeFailure, UserError, db_error_line, redact
@@ -39,7 +41,46 @@ def is_user_sqlstate(sqlstate: str | None) -> bool:
     return sqlstate is not None and (sqlstate in USER_SQLSTATES or sqlstate[:2] in USER_SQLSTATE_CLASSES)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+# verb -> the module of its group.  A verb's module is imported when the verb runs, so each
+# command loads only the role packages it uses (the start-up of `pgcascade CONF status` does not
+# pay for Spark's modules or the demo's); tests/unit checks this table against the modules.
+VERBS = {
+    **dict.fromkeys(["install", "create-root", "create-branch", "create-leaf"], "nodes"),
+    **dict.fromkeys(
+        ["add-table", "remove-table", "tables", "missing", "resync", "add-seq", "remove-seq", "seqs"],
+        "tables",
+    ),
+    **dict.fromkeys(["execute", "wait-sync"], "tables"),
+    **dict.fromkeys(["members", "change-provider", "takeover", "resurrect", "drop-node"], "cascade"),
+    **dict.fromkeys(["pause", "resume", "wait-root", "wait-provider"], "cascade"),
+    **dict.fromkeys(["ticker", "worker", "capture", "copy"], "daemons"),
+    **dict.fromkeys(["queue", "status", "config"], "queues"),
+    **dict.fromkeys(["compare", "repair", "spark-server", "sink"], "pipeline"),
+    **dict.fromkeys(["provider", "subscriber", "replay"], "londiste2"),
+    "demo": "demo",
+}
+
+
+class Verbs(click.Group):
+    """The verbs, each loaded from its module when it is asked for."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(VERBS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in VERBS:
+            return None
+        module = importlib.import_module(f"pgcascade.cli.{VERBS[name]}")
+        return module_verbs(module).get(name)
+
+
+def module_verbs(module: ModuleType) -> dict[str, click.Command]:
+    """verb -> command of a verb module (its COMMANDS, and its ALIASES if it has any)."""
+    commands: dict[str, click.Command] = {c.name: c for c in module.COMMANDS if c.name}
+    return {**commands, **getattr(module, "ALIASES", {})}
+
+
+@click.group(cls=Verbs, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--config", "config_path", hidden=True)
 @click.option("-v", "--verbose", is_flag=True, help="Log debug messages.")
 @click.option("-q", "--quiet", is_flag=True, help="Log only to the logfile.")
@@ -51,16 +92,9 @@ def cli(ctx: click.Context, config_path: str | None, verbose: bool, quiet: bool)
     setup_logging(None, verbose=verbose, quiet=quiet)
 
 
-for module in (nodes, tables, cascade, daemons, queues, pipeline, londiste2, demo):
-    for command in module.COMMANDS:
-        cli.add_command(command)
-for alias, command in londiste2.ALIASES.items():
-    cli.add_command(command, alias)
-
-
 def rewrite_argv(args: list[str], verbs: set[str] | None = None) -> list[str]:
     """`CONFIG.ini VERB ...` -> `--config CONFIG.ini VERB ...` (global options stay in front)."""
-    verbs = set(cli.commands) if verbs is None else verbs
+    verbs = set(VERBS) if verbs is None else verbs
     opts = []
     rest = list(args)
     while rest and rest[0] in ("-v", "--verbose", "-q", "--quiet"):
