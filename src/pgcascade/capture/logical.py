@@ -3,7 +3,8 @@
 A root created with `--capture=logical` has a publication (its tables) and a logical
 replication slot with the pgoutput plugin; no trigger runs in the application's transactions.
 The capture daemon (daemon.py) reads the slot into the queue exactly once.  This module makes
-and inspects that set-up; it is the only one that reads `pgcascade.walcapture`.
+and inspects that set-up (`pgcascade.walcapture`, whose position and last error only the
+daemon writes).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import psycopg
 from psycopg import sql
 
 from pgcascade.core.errors import RuntimeFailure, UserError, db_error_line
-from pgcascade.core.pgconn import one, scalar
+from pgcascade.core.pgconn import scalar
 from pgcascade.pgq import node as nodes
+from pgcascade.pgq import queue as q
 
 log = logging.getLogger("pgcascade.capture")
 
@@ -30,12 +32,8 @@ def is_logical(conn: psycopg.Connection, queue: str) -> bool:
 
 def slot_name_for(conn: psycopg.Connection, queue: str) -> tuple[str, str]:
     """(slot, publication): slots are per cluster, so the slot's name carries the database."""
-    qid, dboid = one(
-        conn,
-        "select queue_id, (select oid from pg_database where datname = current_database())"
-        " from pgcascade.queue where queue_name = %s",
-        (queue,),
-    )
+    qid = q.queue_id(conn, queue)
+    dboid = scalar(conn, "select oid from pg_database where datname = current_database()")
     return f"pgcascade_{dboid}_{qid}", f"pgcascade_{qid}"
 
 

@@ -179,6 +179,10 @@ def batch_event_sql(conn: psycopg.Connection, batch_id: int) -> str:
     return row[0]
 
 
+def queue_id(conn: psycopg.Connection, queue: str) -> int:
+    return int(scalar(conn, "select queue_id from pgcascade.queue where queue_name = %s", (queue,)))
+
+
 def exists(conn: psycopg.Connection, queue: str) -> bool:
     row = conn.execute(
         "select exists (select 1 from pgcascade.queue where queue_name = %s)", (queue,)
@@ -227,6 +231,22 @@ def carry_events(conn: psycopg.Connection, queue: str, source: str) -> int:
             "   from {} s, pgcascade.queue q where q.queue_name = %s order by s.ev_id"
         ).format(sql.SQL(source)),
         (queue,),
+    ).rowcount
+
+
+def insert_staged(conn: psycopg.Connection, queue: str, source: str, tables: list[str]) -> int:
+    """Insert the row events (I/U/D) of `tables` staged in temp table `source` as new events of
+    this queue: new ids, the same order (a merge-leaf's combined queue)."""
+    return conn.execute(
+        sql.SQL(
+            "insert into pgcascade.event (ev_id, ev_time, ev_part, ev_type, ev_data, ev_extra1)"
+            " select nextval(q.queue_event_seq), s.ev_time, q.queue_id * 16 + q.queue_cur_table, s.ev_type,"
+            "        s.ev_data, s.ev_extra1"
+            "   from (select * from {} where ev_type in ('I', 'U', 'D')"
+            "          and ev_extra1 = any(%s) order by ev_id) s, pgcascade.queue q"
+            "  where q.queue_name = %s"
+        ).format(sql.SQL(source)),
+        (tables, queue),
     ).rowcount
 
 

@@ -1,4 +1,4 @@
-"""The `compare` and `repair` verbs (cli.py only parses their options and calls these).
+"""The `compare` and `repair` verbs (cli/pipeline.py only parses their options and calls these).
 
 Exit codes: 0 the tables are equal (or the repair left them equal), 3 differences found,
 2 usage or config error, 1 failure (the sync point gave up, a database failed).

@@ -1,6 +1,6 @@
 """Resumable parallel copy: a large table's initial copy as Spark tasks, one key range each.
 
-It replaces only the in-copy step of the copy state machine (copy.py); catching-up, wanna-sync
+It replaces only the in-copy step of the copy state machine (replica/copy.py); catching-up, wanna-sync
 and do-sync are unchanged.  Steps, each durable:
 
 1. Plan (one subscriber transaction): register the copy consumer (its first tick is where

@@ -231,19 +231,8 @@ def merge_staged(sub: psycopg.Connection, combined: str, part: str, tick: int, t
     """A merge-leaf: insert the staged row events of `tables` into this database's combined
     queue, with new ids in the same order, and a marker saying which tick of `part` they go to
     (a combined-failover node follows the partition's position by it)."""
-    n = sub.execute(
-        "insert into pgcascade.event (ev_id, ev_time, ev_part, ev_type, ev_data, ev_extra1)"
-        " select nextval(q.queue_event_seq), s.ev_time, q.queue_id * 16 + q.queue_cur_table, s.ev_type,"
-        "        s.ev_data, s.ev_extra1"
-        "   from (select * from pg_temp.pgcascade_stage where ev_type in ('I', 'U', 'D')"
-        "          and ev_extra1 = any(%s) order by ev_id) s, pgcascade.queue q"
-        "  where q.queue_name = %s",
-        (tables, combined),
-    ).rowcount
-    sub.execute(
-        "select pgcascade.insert_event(%s, 'pgcascade.part-tick', %s, %s, null, null, null)",
-        (combined, str(tick), part),
-    )
+    n = q.insert_staged(sub, combined, STAGE_TABLE, tables)
+    q.insert_event(sub, combined, "pgcascade.part-tick", str(tick), part)
     return n
 
 
