@@ -12,6 +12,8 @@ import sys
 
 from pgcascade.core import pgconn
 from pgcascade.core.config import JobConfig
+from pgcascade.core.errors import UserError
+from pgcascade.pipeline import sink
 from pgcascade.pipeline.compare import Comparison, Progress, TableResult
 from pgcascade.pipeline.repair import KeySpool, SqlWriter, apply_fix, open_output, write_report
 
@@ -83,15 +85,10 @@ def _spark(cfg: JobConfig, prog: Progress):
 
 def compact(cfg: JobConfig) -> None:
     """`sink compact`: each table's current state as Parquet under DIR/_current."""
-    from pathlib import Path
-
-    from pgcascade.core.errors import UserError
-    from pgcascade.pipeline.sink import compact as run_compact
-
     path = cfg.pipeline.sink_path
     if not path:
         raise UserError("sink compact needs --path DIR (or sink_path in the config)")
     prog = Progress(True)
-    rows = run_compact(_spark(cfg, prog), Path(path).expanduser())
+    rows = sink.compact(_spark(cfg, prog), path.expanduser())
     for table, n in rows.items():
-        print(f"{table}: {n} rows in {Path(path) / '_current' / table}")
+        print(f"{table}: {n} rows in {path / '_current' / table}")
