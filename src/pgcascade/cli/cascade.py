@@ -9,16 +9,21 @@ import click
 
 from pgcascade.cascade import admin, provider, survey, waits
 from pgcascade.cascade import takeover as takeovers
-from pgcascade.cli.context import Context, pass_ctx, say
+from pgcascade.cli.context import Context, echo_json, pass_ctx, say
 from pgcascade.core.errors import RuntimeFailure, UserError, redact
+from pgcascade.monitor import report
 from pgcascade.pgq import node as nodes
 
 
 @click.command()
+@click.option("--json", "as_json", is_flag=True, help="As JSON (docs/monitoring.md).")
 @pass_ctx
-def members(ctx: Context) -> None:
+def members(ctx: Context, as_json: bool) -> None:
     """List the set's nodes: name, type, provider, location (passwords hidden)."""
     with ctx.this_node() as (conn, _):
+        if as_json:
+            echo_json(report.members_report(conn, ctx.queue()))
+            return
         for m in survey.survey(conn, ctx.queue()):
             kind = m.node.node_type if m.node else ("dead" if m.dead else "unreachable")
             prov = (m.node.provider_node or "-") if m.node else "?"

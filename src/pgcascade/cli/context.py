@@ -8,6 +8,7 @@ instead of `db` (`use_provider_db`), and are otherwise the same verbs.
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 from collections.abc import Callable, Iterator
 
@@ -94,6 +95,34 @@ def say(line: str) -> None:
 def require_subscriber(node: nodes.Node, verb: str) -> None:
     if node.role.captures_changes:
         raise UserError(f"{verb} is a subscriber verb: the root has every table of the set")
+
+
+class Duration(click.ParamType):
+    """A length of time: 30, 30s, 500ms, 5min, 2h (seconds when no unit)."""
+
+    name = "duration"
+    UNITS = {"ms": 0.001, "s": 1.0, "sec": 1.0, "min": 60.0, "m": 60.0, "h": 3600.0}
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        if isinstance(value, int | float):
+            return float(value)
+        text = str(value).strip().lower()
+        number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = text[len(number) :] or "s"
+        try:
+            if unit not in self.UNITS:
+                raise ValueError
+            seconds = float(number) * self.UNITS[unit]
+        except ValueError:
+            self.fail(f"{value!r} is not a duration (examples: 30s, 500ms, 5min, 2h)", param, ctx)
+        if seconds < 0:
+            self.fail(f"{value!r}: a duration cannot be negative", param, ctx)
+        return seconds
+
+
+def echo_json(data: object) -> None:
+    """A verb's result for scripts: one JSON document on stdout."""
+    click.echo(json.dumps(data, indent=2, default=str))
 
 
 def daemon_switches(f: Callable) -> Callable:

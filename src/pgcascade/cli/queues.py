@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
-from pgcascade.cli.context import Context, pass_ctx
+from pgcascade.cli.context import Context, Duration, echo_json, pass_ctx
 from pgcascade.core.config import known_keys
 from pgcascade.core.errors import UserError, redact
+from pgcascade.monitor import report
 from pgcascade.monitor import status as monitor
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
@@ -89,13 +92,26 @@ def queue_tick(ctx: Context, name: str) -> None:
 
 
 @click.command()
+@click.option("--json", "as_json", is_flag=True, help="The node's state as JSON (docs/monitoring.md).")
+@click.option("--check", is_flag=True, help="One line and exit 0 (ok) or 2 (critical), for monitoring.")
+@click.option("--max-lag", type=Duration(), help="With --check: critical above this lag (30s, 5min).")
 @pass_ctx
-def status(ctx: Context) -> None:
+def status(ctx: Context, as_json: bool, check: bool, max_lag: float | None) -> None:
     """Show this node (type, provider, lag, tables per state, last error), or the queues."""
+    if max_lag is not None and not check:
+        raise UserError("--max-lag goes with --check")
     with ctx.connect() as conn:
         node = nodes.get_node(conn, ctx.cfg.queue_name) if ctx.cfg.queue_name else None
         if node is None:
+            if as_json or check:
+                raise UserError("this database is not a node of a set: --json and --check report on a node")
             monitor.print_queue_status(conn)
+        elif check:
+            verdict = report.check(report.node_report(conn, node), max_lag)
+            click.echo(verdict.line)
+            sys.exit(verdict.code)
+        elif as_json:
+            echo_json(report.node_report(conn, node))
         else:
             monitor.print_node_status(conn, node)
 

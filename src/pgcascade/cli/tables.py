@@ -9,8 +9,9 @@ import click
 
 from pgcascade.capture import tables as set_tables
 from pgcascade.cascade import admin, waits
-from pgcascade.cli.context import Context, pass_ctx, require_subscriber, say
+from pgcascade.cli.context import Context, echo_json, pass_ctx, require_subscriber, say
 from pgcascade.core.errors import UserError
+from pgcascade.monitor import report
 from pgcascade.pgq import queue as q
 from pgcascade.replica import tables as subscriber
 
@@ -85,10 +86,14 @@ def remove_table(ctx: Context, tables: tuple[str, ...]) -> None:
 
 
 @click.command("tables")
+@click.option("--json", "as_json", is_flag=True, help="As JSON (docs/monitoring.md).")
 @pass_ctx
-def tables_cmd(ctx: Context) -> None:
+def tables_cmd(ctx: Context, as_json: bool) -> None:
     """List the replicated tables (on a subscriber, with their state)."""
     with ctx.this_node() as (conn, node):
+        if as_json:
+            echo_json(report.table_rows(conn, node))
+            return
         if node.role.captures_changes:
             for t, keys in set_tables.set_tables(conn, ctx.queue()).items():
                 click.echo(f"{t}  key: {', '.join(keys)}")

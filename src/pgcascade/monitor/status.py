@@ -13,11 +13,10 @@ from rich.tree import Tree
 
 from pgcascade.capture import logical as walcapture
 from pgcascade.cascade.survey import Member, tree_rows
-from pgcascade.core import pgconn
-from pgcascade.core.errors import db_error_line
+from pgcascade.monitor import report
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
-from pgcascade.pgq.node import Node, provider_location
+from pgcascade.pgq.node import Node
 from pgcascade.pipeline.copy import progress, progress_line
 from pgcascade.replica import tables as subscriber
 
@@ -109,17 +108,6 @@ def print_capture_status(console: Console, conn: psycopg.Connection, queue: str)
         console.print(f"[red]capture error[/red] ({error_time:%Y-%m-%d %H:%M:%S}): {error}")
 
 
-def node_lag(conn: psycopg.Connection, prov: psycopg.Connection | None, node: Node) -> dict:
-    """Lag of a subscriber: time since the provider tick it applied last, and ticks behind."""
-    out: dict = {"lag": None, "ticks_behind": None, "provider_reachable": prov is not None}
-    if prov is None or node.last_tick is None:
-        return out
-    out["lag"] = q.tick_age(prov, node.queue_name, node.last_tick)
-    last = q.last_tick_id(prov, node.queue_name)
-    out["ticks_behind"] = None if last is None else max(last - node.last_tick, 0)
-    return out
-
-
 def is_root(m: Member) -> bool:
     return m.node is not None and m.node.role.is_root
 
@@ -187,20 +175,15 @@ def print_node_status(conn: psycopg.Connection, node: Node) -> None:
         console.print(watermark_table(conn, node.queue_name))
     if node.role.captures_changes:
         return
-    prov = None
-    try:
-        prov = pgconn.connect(provider_location(conn, node), autocommit=True, connect_timeout=5)
-    except psycopg.Error as e:
-        console.print(f"provider {node.provider_node}: [red]unreachable[/red] ({db_error_line(e)})")
-    try:
-        lag = node_lag(conn, prov, node)
-    finally:
-        if prov is not None:
-            prov.close()
+    lag = report.subscriber_lag(conn, node)
+    if not lag.provider_reachable:
+        console.print(f"provider {node.provider_node}: [red]unreachable[/red] ({lag.provider_error})")
     console.print(f"provider: {node.provider_node}")
+    behind = lag.ticks_behind if lag.ticks_behind is not None else "?"
+    age = fmt_interval(None if lag.seconds is None else timedelta(seconds=lag.seconds))
     console.print(
-        f"lag: {fmt_interval(lag['lag'])}, {lag['ticks_behind'] if lag['ticks_behind'] is not None else '?'} ticks"
-        f" (last applied tick {node.last_tick}){'  [yellow]paused[/yellow]' if node.paused else ''}"
+        f"lag: {age}, {behind} ticks (last applied tick {node.last_tick})"
+        f"{'  [yellow]paused[/yellow]' if node.paused else ''}"
     )
     states: dict[str, int] = {}
     for t in subscriber.tables(conn, node.queue_name):

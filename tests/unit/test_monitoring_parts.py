@@ -1,0 +1,44 @@
+"""status --check's verdict and --max-lag's durations, without a server."""
+
+import click
+import pytest
+
+from pgcascade.cli.context import Duration
+from pgcascade.monitor.report import check
+
+
+@pytest.mark.parametrize(
+    "text, seconds",
+    [("30", 30.0), ("30s", 30.0), ("500ms", 0.5), ("5min", 300.0), ("2h", 7200.0), (" 1.5S ", 1.5)],
+)
+def test_durations(text, seconds):
+    assert Duration().convert(text, None, None) == seconds
+
+
+@pytest.mark.parametrize("text", ["soon", "5 parsecs", "-3s", "", "s"])
+def test_bad_durations_are_usage_errors(text):
+    with pytest.raises(click.BadParameter):
+        Duration().convert(text, None, None)
+
+
+def leaf(**extra):
+    base = {"node": "l1", "type": "leaf", "provider": "root", "last_error": None}
+    return {**base, "lag_seconds": 0.4, "ticks_behind": 1, "provider_reachable": True, **extra}
+
+
+def test_check_is_ok_under_the_limit_and_critical_over_it():
+    assert check(leaf(), 30.0).code == 0
+    assert check(leaf(), 30.0).line == "OK l1 (leaf), lag 0.4 s"
+    over = check(leaf(lag_seconds=45.0), 30.0)
+    assert over.code == 2 and over.line == "CRITICAL l1 (leaf): lag 45.0 s over 30 s"
+    assert check(leaf(lag_seconds=45.0), None).code == 0  # no limit given: lag alone is fine
+
+
+def test_check_is_critical_on_errors_and_an_unreachable_provider():
+    assert "unreachable" in check(leaf(provider_reachable=False, lag_seconds=None), 30.0).line
+    assert check(leaf(lag_seconds=None), 30.0).code == 2  # lag unknown with a limit
+    assert check(leaf(last_error="column x does not exist"), None).code == 2
+    root = {"node": "r", "type": "root", "provider": None, "last_error": None, "capture": {"mode": "trigger"}}
+    assert check(root, 5.0).code == 0
+    root["capture"] = {"mode": "logical", "last_error": "slot missing"}
+    assert check(root, 5.0).line == "CRITICAL r (root): capture error: slot missing"
