@@ -5,9 +5,14 @@ leaf with the ticker and the worker running.  The rows are compared independentl
 from __future__ import annotations
 
 import json
+import socket
 import time
+import urllib.request
 
 from conftest import table_checksum
+from prometheus_client.parser import text_string_to_metric_families
+
+from pgcascade.dev.localcluster import free_port, wait_until
 
 
 def test_json_views_and_the_lag_check_follow_a_paused_and_resumed_leaf(replica):
@@ -77,3 +82,87 @@ def test_monitoring_refusals_are_one_line(replica, make_db, write_config, cli):
     cfg = write_config("plain", db=plain.connstr, queue_name="rep")
     r = cli(cfg, "status", "--json")
     assert r.returncode == 2 and "not a node of a set" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """/metrics of a daemon: (sample name, sorted labels) -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    matches = [v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls)]
+    assert len(matches) == 1, f"{name} {labels}: {matches}"
+    return matches[0]
+
+
+def test_daemons_serve_metrics_whose_lag_and_counters_move(replica, tmp_path):
+    worker_port, ticker_port = free_port(), free_port()
+    replica.ini("leaf", replica.leaf, parallel_copies=2, metrics_port=worker_port)
+    with replica.root.connect() as conn:
+        conn.execute("create table public.m (id int primary key, v text)")
+        conn.execute("insert into public.m select i, 'v' || i from generate_series(1, 1000) i")
+    replica.setup(["public.m"])
+    ticker_ini = replica.ini("ticker", replica.root, metrics_port=ticker_port, maint_period=1)
+    replica.daemons.start("ticker", str(ticker_ini))
+    replica.start_worker()
+    replica.wait_sync(60)
+    wait_until(lambda: scrape(worker_port), 10, what="the worker's /metrics")
+
+    # the worker counts its tables at the start of each round: the round after the hand-over
+    wait_until(
+        lambda: value(scrape(worker_port), "pgcascade_tables", set="rep", node="leaf1", phase="ok") == 1,
+        10,
+        what="the table to be counted ok",
+    )
+    before = scrape(worker_port)
+    assert value(before, "pgcascade_daemon_up", daemon="worker", job="leaf") == 1
+    assert value(before, "pgcascade_tables", set="rep", node="leaf1", phase="in-copy") == 0
+    with replica.root.connect() as conn:
+        for i in range(20):
+            conn.execute("update public.m set v = v || '.' where id %% 20 = %s", (i,))  # 50 rows each
+    replica.wait_sync(60)
+    after = scrape(worker_port)
+    batches = value(after, "pgcascade_batches_total", set="rep", node="leaf1")
+    assert batches > value(before, "pgcascade_batches_total", set="rep", node="leaf1")
+    events = value(after, "pgcascade_events_total", set="rep", node="leaf1")
+    assert events - value(before, "pgcascade_events_total", set="rep", node="leaf1") >= 1000
+    assert value(after, "pgcascade_batch_duration_seconds_count", set="rep", node="leaf1") == batches
+    wait_until(  # idle ticks keep coming: the page and the node's record meet
+        lambda: (
+            value(scrape(worker_port), "pgcascade_applied_tick", set="rep", node="leaf1")
+            == replica.leaf.scalar("select last_tick from pgcascade.node")
+        ),
+        10,
+        what="the applied tick on the page to be the node's",
+    )
+    assert value(scrape(ticker_port), "pgcascade_ticks_total") > 0
+
+    # paused, the lag grows on the page; resumed, it falls back
+    replica.cli("leaf", "pause")
+    time.sleep(3)
+    assert value(scrape(worker_port), "pgcascade_lag_seconds", set="rep", node="leaf1") > 1.5
+    replica.cli("leaf", "resume")
+    replica.wait_sync(60)
+    wait_until(
+        lambda: value(scrape(worker_port), "pgcascade_lag_seconds", set="rep", node="leaf1") < 1.5,
+        15,
+        what="the lag to fall after resume",
+    )
+    assert table_checksum(replica.root, "public.m") == table_checksum(replica.leaf, "public.m")
+
+
+def test_a_taken_metrics_port_is_a_one_line_error(replica, cli):
+    replica.setup()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        replica.ini("leaf", replica.leaf, metrics_port=s.getsockname()[1])
+        r = cli(replica.leaf_ini, "worker", timeout=30)
+    assert r.returncode == 2 and "cannot listen on 127.0.0.1" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr

@@ -46,7 +46,7 @@ from pgcascade.capture.pgoutput import (
     lsn_int,
     lsn_str,
 )
-from pgcascade.core import pgconn
+from pgcascade.core import metrics, pgconn
 from pgcascade.core.config import JobConfig
 from pgcascade.core.daemon import Daemon
 from pgcascade.core.errors import RuntimeFailure, UserError, db_error_line, redact
@@ -254,6 +254,10 @@ class WalCapture(Daemon):
             log.info("skipped %d transactions captured before (the slot had not been told)", self.skipped)
         if self.last_end > self.committed:
             self.committed = self.stored = self.last_end
+        if self.metrics and self.events:
+            metrics.CAPTURED.labels(self.queue).inc(self.events)
+            if self.last_commit is not None:
+                metrics.CAPTURE_LAG.labels(self.queue).set(time.time() - self.last_commit.timestamp())
         if self.events:
             log.debug("captured %d events of %d transactions", self.events, self.txns)
             pause_point("committed-not-advanced", events=self.events)

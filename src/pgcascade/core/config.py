@@ -119,6 +119,10 @@ class JobConfig:
     loop_delay: float | None = setting(
         None, "most seconds a daemon waits between rounds (default: worker 1, capture 0.02)", minimum=0.001
     )
+    metrics_port: int | None = setting(
+        None, "serve Prometheus /metrics of the daemon on this port", minimum=1
+    )
+    metrics_address: str = setting("127.0.0.1", "the address /metrics listens on (0.0.0.0: every interface)")
     ticker: TickerSettings = field(default_factory=TickerSettings)
     worker: WorkerSettings = field(default_factory=WorkerSettings)
     capture: CaptureSettings = field(default_factory=CaptureSettings)

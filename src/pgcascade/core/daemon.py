@@ -20,6 +20,7 @@ from pathlib import Path
 
 import psycopg
 
+from pgcascade.core import metrics
 from pgcascade.core.config import JobConfig, load_config
 from pgcascade.core.errors import ConfigError, RuntimeFailure, UserError, redact
 
@@ -118,6 +119,7 @@ class Daemon:
         self.reload_requested = False
         self.loop_delay = cfg.loop_delay or self.default_loop_delay
         self.error_backoff = 0.0
+        self.metrics = False  # /metrics is served (metrics_port set)
 
     # --- to implement ---
     def work(self) -> bool:
@@ -158,6 +160,9 @@ class Daemon:
             setup_logging(self.cfg.logfile, to_stderr=False)
         self._install_signals()  # before the pidfile: `-s` finds the pid only once they are in place
         self._take_pidfile()
+        self.metrics = metrics.serve(
+            self.cfg.metrics_port, self.cfg.metrics_address, self.name, self.cfg.job_name
+        )
         try:
             log.info("%s %s starting (pid %d)", self.name, self.cfg.job_name, os.getpid())
             self.run_loop()
@@ -179,12 +184,17 @@ class Daemon:
                 self.reload()
             try:
                 busy = self.work()
+                if self.error_backoff and self.metrics:
+                    metrics.UP.labels(self.name, self.cfg.job_name).set(1)
                 self.error_backoff = 0.0
             except (KeyboardInterrupt, SystemExit):
                 raise
             except Exception as e:
                 if isinstance(e, psycopg.OperationalError):
                     self.drop_connections()  # one reconnect rule for every daemon
+                if self.metrics:
+                    metrics.ERRORS.labels(self.name, self.cfg.job_name, type(e).__name__).inc()
+                    metrics.UP.labels(self.name, self.cfg.job_name).set(0)
                 self.error_backoff = min(max(self.error_backoff * 2, 1.0), 30.0)
                 log.error(
                     "%s: %s (retrying in %.0fs)", type(e).__name__, redact(str(e)).strip(), self.error_backoff

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import psycopg
 from psycopg import sql
 
-from pgcascade.core import pgconn
+from pgcascade.core import metrics, pgconn
 from pgcascade.core.config import JobConfig
 from pgcascade.core.daemon import Daemon
 from pgcascade.core.errors import db_error_line
@@ -165,6 +165,8 @@ class Ticker(Daemon):
         conn = db.connect()
         n = scalar(conn, "select pgcascade.ticker()")
         db.ticks += n
+        if self.metrics and n:
+            metrics.TICKS.labels(db.name).inc(n)
         if now >= db.next_retry:
             db.next_retry = now + self.settings.retry_period
             moved = scalar(conn, "select pgcascade.maint_retry_events()")

@@ -85,8 +85,8 @@ class CopyProcess(Daemon):
     default_loop_delay = 0.05  # polls its own table's state: the worker's hand-over is awaited here
 
     def __init__(self, cfg: JobConfig, table: str, bulk: BulkCopier | None = None):
-        # the worker's pidfile is not ours; copy_pid in the database tells who runs
-        super().__init__(cfg.with_changes(pidfile=None, loop_delay=None))
+        # the worker's pidfile and metrics port are not ours; copy_pid in the database tells who runs
+        super().__init__(cfg.with_changes(pidfile=None, loop_delay=None, metrics_port=None))
         if not cfg.queue_name or not cfg.db:
             raise UserError(f"{cfg.path}: db and queue_name must be set")
         self.db = cfg.db

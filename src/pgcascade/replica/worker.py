@@ -31,7 +31,7 @@ import time
 import psycopg
 
 from pgcascade.capture import tables as set_tables
-from pgcascade.core import pgconn
+from pgcascade.core import metrics, pgconn
 from pgcascade.core.config import JobConfig
 from pgcascade.core.daemon import Daemon
 from pgcascade.core.errors import UserError, db_error_line
@@ -128,7 +128,12 @@ class Worker(Daemon):
     # --- the loop ---
     def work(self) -> bool:
         sub, prov, node = self.connect()
-        if prov is None or node.paused:
+        if prov is None:
+            return False
+        if node.paused:
+            if self.metrics and time.monotonic() >= self.next_watermark:
+                self.next_watermark = time.monotonic() + self.cfg.worker.watermark_period
+                self.measure_lag(sub, prov, node)  # a paused node's lag grows: show it
             return False
         if node.combined_queue and not self.combined_is_root(sub, node):
             self.follow_combined(prov, node)
@@ -138,6 +143,8 @@ class Worker(Daemon):
             # read the states again: a table handed over (do-sync) must not be applied
             # past that tick until the copy process says ok
             tables = subscriber.tables(sub, self.queue)
+        if self.metrics:
+            self.count_tables(node, tables)
         if any(t.state.phase is Phase.DO_SYNC for t in tables):
             return False  # the copy process is catching up to our tick
         info = q.next_batch(
@@ -182,13 +189,18 @@ class Worker(Daemon):
             )
             q.resume_at(prov, self.queue, node.consumer, now.last_tick)
             return
-        assert info.batch_id is not None
+        assert info.batch_id is not None and info.cur_tick_id is not None
         q.finish_batch(prov, info.batch_id)
         if stats.executed:
             self.applier_key = ()  # DDL ran: read the tables' definitions again
-        log.info(
-            "{count: %d, ignored: %d, duration: %.3f}", stats.count, stats.ignored, time.monotonic() - started
-        )
+        duration = time.monotonic() - started
+        log.info("{count: %d, ignored: %d, duration: %.3f}", stats.count, stats.ignored, duration)
+        if self.metrics:
+            labels = (self.queue, node.node_name)
+            metrics.BATCHES.labels(*labels).inc()
+            metrics.EVENTS.labels(*labels).inc(stats.count)
+            metrics.BATCH_SECONDS.labels(*labels).observe(duration)
+            metrics.APPLIED_TICK.labels(*labels).set(info.cur_tick_id)
 
     def apply_batch(
         self,
@@ -251,6 +263,27 @@ class Worker(Daemon):
         wm = nodes.local_watermark(sub, self.queue)
         if wm is not None:
             nodes.set_subscriber_watermark(prov, self.queue, node.node_name, wm)
+        if self.metrics:
+            self.measure_lag(sub, prov, node)
+
+    def measure_lag(self, sub: psycopg.Connection, prov: psycopg.Connection, node: nodes.Node) -> None:
+        """Lag in time and ticks, read from the provider (its clock, not ours)."""
+        applied = nodes.applied_tick(sub, self.queue)
+        age = q.tick_age(prov, self.queue, applied)
+        newest = q.last_tick_id(prov, self.queue)
+        labels = (self.queue, node.node_name)
+        if age is not None:
+            metrics.LAG_SECONDS.labels(*labels).set(age.total_seconds())
+        if newest is not None:
+            metrics.LAG_TICKS.labels(*labels).set(max(newest - applied, 0))
+        metrics.APPLIED_TICK.labels(*labels).set(applied)
+
+    def count_tables(self, node: nodes.Node, tables: list[subscriber.SubscriberTable]) -> None:
+        counts = dict.fromkeys(Phase, 0)
+        for t in tables:
+            counts[t.state.phase] += 1
+        for phase, n in counts.items():
+            metrics.TABLES.labels(self.queue, node.node_name, phase.value).set(n)
 
     def drop_tables_left_the_set(
         self,
