@@ -1,5 +1,7 @@
 """The command line without a database: argv rewriting, usage and config errors, `config`."""
 
+import contextlib
+
 import pytest
 
 from pgcascade.cli.main import is_user_sqlstate, main, rewrite_argv
@@ -84,3 +86,20 @@ def test_every_verb_is_in_the_table_that_loads_it_and_nowhere_else():
                 assert verb not in found, f"{verb} in {found.get(verb)} and {info.name}"
                 found[verb] = info.name
     assert found == VERBS
+
+
+def test_completion_knows_the_verbs_after_the_config(monkeypatch, capsys, tmp_path):
+    p = tmp_path / "j.ini"
+    p.write_text("[pgcascade]\njob_name = j\n")
+    for words, cword, expected in [
+        (f"pgcascade {p} add-", 2, ["add-seq", "add-table"]),
+        (f"pgcascade {p} add-table --al", 3, ["--all", "--allow-local-writes"]),
+        ("pgcascade tick", 1, ["ticker"]),
+    ]:
+        monkeypatch.setenv("_PGCASCADE_COMPLETE", "bash_complete")
+        monkeypatch.setenv("COMP_WORDS", words)
+        monkeypatch.setenv("COMP_CWORD", str(cword))
+        with contextlib.suppress(SystemExit):  # completion ends with exit 0
+            main([])
+        out = capsys.readouterr().out
+        assert [line.split(",", 1)[1] for line in out.splitlines()] == expected, words

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import signal
 import sys
 from types import ModuleType
@@ -58,6 +59,7 @@ VERBS = {
     **dict.fromkeys(["compare", "repair", "spark-server", "sink"], "pipeline"),
     **dict.fromkeys(["provider", "subscriber", "replay"], "londiste2"),
     "demo": "demo",
+    "completion": "shell",
 }
 
 
@@ -104,6 +106,16 @@ def rewrite_argv(args: list[str], verbs: set[str] | None = None) -> list[str]:
     return [*opts, *rest]
 
 
+def complete_after_config() -> None:
+    """Shell completion sees the words as typed (`pgcascade job.ini add-<TAB>`): put the config
+    behind --config there too, as rewrite_argv does for a run (not the word being completed)."""
+    words = os.environ["COMP_WORDS"].split()
+    cword = int(os.environ.get("COMP_CWORD", len(words)))
+    done = [words[0], *rewrite_argv(words[1:cword])]
+    os.environ["COMP_WORDS"] = " ".join(done + words[cword:])
+    os.environ["COMP_CWORD"] = str(len(done))
+
+
 def fail(message: str, code: int) -> None:
     click.echo(f"pgcascade: {redact(message)}", err=True)
     sys.exit(code)
@@ -125,6 +137,8 @@ def main(argv: list[str] | None = None) -> None:
         # (`-s`) arriving before the daemon's own handler would otherwise be lost for good
         signal.signal(signal.SIGINT, signal.default_int_handler)
     args = rewrite_argv(list(sys.argv[1:] if argv is None else argv))
+    if os.environ.get("_PGCASCADE_COMPLETE") and "COMP_WORDS" in os.environ:
+        complete_after_config()
     try:
         cli.main(args=args, prog_name="pgcascade", standalone_mode=False)
     except click.exceptions.NoArgsIsHelpError as e:
