@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Command 2 of the README: install what is missing, then lint, type-check, check the layering
-# and run the tests.
+# Command 2 of the README: install what is missing, then lint, type-check, check the layering,
+# check that docs/reference.md is current and the docs site builds without a broken link, and
+# run the tests.
 #   ./test.sh                 every tier (what CI runs)
 #   ./test.sh unit|db|scenario [PYTEST ARGS]   one tier; unit needs neither PostgreSQL nor Spark
 set -euo pipefail
@@ -21,4 +22,6 @@ fi
 .venv/bin/ruff format --check .
 .venv/bin/mypy
 .venv/bin/lint-imports --no-cache
+.venv/bin/python scripts/reference.py --check
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
 exec .venv/bin/pytest "${paths[@]}" "$@"
