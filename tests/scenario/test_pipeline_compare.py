@@ -7,6 +7,7 @@ equality checks use `table_checksum` (an md5 of every row, computed by PostgreSQ
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 
@@ -240,6 +241,21 @@ def test_cli_compare_repair_and_count_only(synced):
     assert "public.words: rows 2000, missing 0, extra 0, different 1: DIFFERENT" in out.stdout
     cnt = r.cli("leaf", "compare", "--count-only", check=False)
     assert cnt.returncode == 3 and "public.comp: provider 3000 rows, subscriber 2999 rows" in cnt.stdout
+    js = r.cli("leaf", "compare", "comp", "--json", "--no-progress", check=False, timeout=300)
+    assert js.returncode == 3, js.stderr
+    (result,) = json.loads(js.stdout)
+    samples = result.pop("samples")
+    assert result == {
+        "table": "public.comp",
+        "dest": "public.comp",
+        "rows": 3000,
+        "sub_rows": 2999,
+        "missing": 1,
+        "extra": 0,
+        "different": 0,
+        "equal": False,
+    }
+    assert list(samples) == ["missing"] and [k[0] for k in samples["missing"]] == ["35"]  # key (a, b)
     fix = r.tmp / "fix.sql"
     rep = r.cli("leaf", "repair", "--output", str(fix), check=False, timeout=300)
     assert rep.returncode == 3, rep.stderr

@@ -19,11 +19,14 @@ from pgcascade.pipeline.sink import Sink
 @click.argument("tables", nargs=-1)
 @click.option("--count-only", is_flag=True, help="Compare row counts only (the seed's cheap check).")
 @click.option("--no-progress", is_flag=True, help="No progress lines on stderr.")
+@click.option("--json", "as_json", is_flag=True, help="The result as JSON (docs/monitoring.md).")
 @pass_ctx
-def compare(ctx: Context, tables: tuple[str, ...], count_only: bool, no_progress: bool) -> None:
+def compare(
+    ctx: Context, tables: tuple[str, ...], count_only: bool, no_progress: bool, as_json: bool
+) -> None:
     """Compare TABLES (default: all) with the provider at a sync point; exit 3 when they differ."""
     ctx.db()
-    sys.exit(commands.compare(ctx.cfg, list(tables), count_only, not no_progress))
+    sys.exit(commands.compare(ctx.cfg, list(tables), count_only, not no_progress, as_json))
 
 
 @click.command()

@@ -7,6 +7,7 @@ Exit codes: 0 the tables are equal (or the repair left them equal), 3 difference
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import sys
 
@@ -15,7 +16,7 @@ from pgcascade.core.config import JobConfig
 from pgcascade.core.errors import UserError
 from pgcascade.pipeline import sink
 from pgcascade.pipeline.compare import Comparison, Progress, TableResult
-from pgcascade.pipeline.repair import KeySpool, SqlWriter, apply_fix, open_output, write_report
+from pgcascade.pipeline.repair import KeySpool, SqlWriter, apply_fix, open_output, report_rows, write_report
 
 log = logging.getLogger("pgcascade.pipeline")
 
@@ -23,7 +24,9 @@ EXIT_EQUAL = 0
 EXIT_DIFFERENT = 3
 
 
-def compare(cfg: JobConfig, tables: list[str], count_only: bool = False, progress: bool = True) -> int:
+def compare(
+    cfg: JobConfig, tables: list[str], count_only: bool = False, progress: bool = True, as_json: bool = False
+) -> int:
     prog = Progress(progress)
     # Spark first: a config mistake fails before the provider is locked, and the snapshots are
     # not held open while Spark starts
@@ -31,7 +34,11 @@ def compare(cfg: JobConfig, tables: list[str], count_only: bool = False, progres
     spark = None if count_only else _spark(cfg, prog)
     with cmp:
         results = cmp.count_only() if count_only else cmp.run(spark)
-    write_report(results, sys.stdout, count_only)
+    if as_json:
+        json.dump(report_rows(results, count_only), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        write_report(results, sys.stdout, count_only)
     equal = all(r.rows == r.sub_rows for r in results) if count_only else all(r.equal for r in results)
     return EXIT_EQUAL if equal else EXIT_DIFFERENT
 

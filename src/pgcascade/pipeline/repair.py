@@ -223,6 +223,20 @@ def write_report(results: list[TableResult], out: IO[str], count_only: bool = Fa
             out.write(f"  {kind}: {shown}{' ...' if getattr(r, kind) > len(keys) else ''}\n")
 
 
+def report_rows(results: list[TableResult], count_only: bool = False) -> list[dict]:
+    """`compare --json`: one object per table (docs/monitoring.md); keys as text, as in repair."""
+    out = []
+    for r in results:
+        row = {"table": r.spec.table, "dest": r.spec.dest, "rows": r.rows, "sub_rows": r.sub_rows}
+        if count_only:
+            row["equal"] = r.rows == r.sub_rows
+        else:
+            row |= {"missing": r.missing, "extra": r.extra, "different": r.different, "equal": r.equal}
+            row["samples"] = r.samples
+        out.append(row)
+    return out
+
+
 def open_output(path: str) -> IO[str]:
     if path == "-":
         import sys
