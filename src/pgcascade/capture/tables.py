@@ -35,10 +35,7 @@ def use_logical(conn: psycopg.Connection, queue: str) -> bool:
 
 def set_tables(conn: psycopg.Connection, queue: str) -> dict[str, list[str]]:
     """table name -> key columns, for the set's tables as this node knows them."""
-    rows = conn.execute(
-        "select table_name, key_columns from pgcascade.set_table where queue_name = %s order by 1", (queue,)
-    ).fetchall()
-    return dict(rows)
+    return {table: keys for table, keys, _ in set_table_rows(conn, queue)}
 
 
 SetTableRow = tuple[str, list[str], str]  # (table, key columns, event format)
@@ -205,13 +202,10 @@ def add_seqs(conn: psycopg.Connection, queue: str, patterns: list[str], all_seqs
         if all_seqs
         else catalog.resolve(conn, patterns, kinds="S", what="sequence")
     )
+    names = [s.canonical for s in seqs]
     with conn.transaction():
-        for s in seqs:
-            conn.execute(
-                "insert into pgcascade.set_seq (queue_name, seq_name) values (%s, %s) on conflict do nothing",
-                (queue, s.canonical),
-            )
-    return [s.canonical for s in seqs]
+        follow_seqs(conn, queue, names)
+    return names
 
 
 def remove_seqs(conn: psycopg.Connection, queue: str, names: list[str]) -> None:
@@ -225,7 +219,7 @@ def remove_seqs(conn: psycopg.Connection, queue: str, names: list[str]) -> None:
 
 
 def follow_seqs(conn: psycopg.Connection, queue: str, names: list[str]) -> None:
-    """A new root replicates the sequences it followed as a subscriber."""
+    """Replicate these sequences (add-seq; a new root: those it followed as a subscriber)."""
     for name in names:
         conn.execute(
             "insert into pgcascade.set_seq (queue_name, seq_name) values (%s, %s) on conflict do nothing",

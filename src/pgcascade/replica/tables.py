@@ -268,12 +268,7 @@ def add_seqs(
         if scalar(conn, "select to_regclass(%s) is null", (s,)):
             raise UserError(f"sequence {s} does not exist on the subscriber")
     with conn.transaction():
-        for s in wanted:
-            conn.execute(
-                "insert into pgcascade.subscriber_seq (queue_name, seq_name, dest_seq) values (%s, %s, %s)"
-                " on conflict do nothing",
-                (queue, s, s),
-            )
+        follow_seqs(conn, queue, wanted)
     return wanted
 
 
@@ -288,7 +283,7 @@ def remove_seqs(conn: psycopg.Connection, queue: str, names: list[str]) -> None:
 
 
 def follow_seqs(conn: psycopg.Connection, queue: str, names: list[str]) -> None:
-    """Follow these sequences of the set under their own names (a takeover's old root)."""
+    """Follow these sequences of the set under their own names."""
     for name in names:
         conn.execute(
             "insert into pgcascade.subscriber_seq (queue_name, seq_name, dest_seq) values (%s, %s, %s)"
