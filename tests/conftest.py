@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pgcascade.core import schema
 from pgcascade.dev.localcluster import LocalCluster, new_cluster
@@ -361,3 +363,20 @@ def replica(
     if _failed(request):
         for name in ("leaf", "ticker"):
             print(f"\n----- {name}.log -----\n{rs.log(name)[-6000:]}")
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """/metrics of a daemon: (sample name, sorted labels) -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    matches = [v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls)]
+    assert len(matches) == 1, f"{name} {labels}: {matches}"
+    return matches[0]

@@ -7,10 +7,8 @@ from __future__ import annotations
 import json
 import socket
 import time
-import urllib.request
 
-from conftest import table_checksum
-from prometheus_client.parser import text_string_to_metric_families
+from conftest import scrape, table_checksum, value
 
 from pgcascade.dev.localcluster import free_port, wait_until
 
@@ -82,23 +80,6 @@ def test_monitoring_refusals_are_one_line(replica, make_db, write_config, cli):
     cfg = write_config("plain", db=plain.connstr, queue_name="rep")
     r = cli(cfg, "status", "--json")
     assert r.returncode == 2 and "not a node of a set" in r.stderr and len(r.stderr.strip().splitlines()) == 1
-
-
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    """/metrics of a daemon: (sample name, sorted labels) -> value."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def value(samples: dict, name: str, **labels: str) -> float:
-    matches = [v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls)]
-    assert len(matches) == 1, f"{name} {labels}: {matches}"
-    return matches[0]
 
 
 def test_daemons_serve_metrics_whose_lag_and_counters_move(replica, tmp_path):

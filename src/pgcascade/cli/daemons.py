@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import click
 import psycopg
+from prometheus_client import REGISTRY
 
 from pgcascade.capture import logical
 from pgcascade.capture.daemon import WalCapture
 from pgcascade.cli.context import Context, control_or_start, daemon_switches, pass_ctx
+from pgcascade.core.config import JobConfig
 from pgcascade.core.daemon import setup_logging
+from pgcascade.monitor.exporter import NodeCollector
 from pgcascade.pgq.ticker import Ticker
 from pgcascade.pipeline.copy import SparkCopier
 from pgcascade.replica.copy import CopyProcess
@@ -48,7 +51,15 @@ def worker(ctx: Context, detach: bool, ctl: str | None) -> None:
     """Run the replay worker of this node (-d detach, -s stop, -k kill, -r reload)."""
     if not ctl:
         refuse_without_node(ctx)
-    control_or_start(ctx, lambda cfg: Worker(cfg, bulk=SparkCopier()), detach, ctl)
+    control_or_start(ctx, worker_with_table_metrics, detach, ctl)
+
+
+def worker_with_table_metrics(cfg: JobConfig) -> Worker:
+    """The worker; with metrics_port, its /metrics also reads the node's per-table lag and
+    copy progress from the database at each scrape (monitor/exporter.py)."""
+    if cfg.metrics_port is not None and cfg.db and cfg.queue_name:
+        REGISTRY.register(NodeCollector(cfg.db, cfg.queue_name))
+    return Worker(cfg, bulk=SparkCopier())
 
 
 @click.command("capture")

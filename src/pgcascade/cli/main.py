@@ -55,7 +55,7 @@ VERBS = {
     **dict.fromkeys(["members", "change-provider", "takeover", "resurrect", "drop-node"], "cascade"),
     **dict.fromkeys(["pause", "resume", "wait-root", "wait-provider"], "cascade"),
     **dict.fromkeys(["ticker", "worker", "capture", "copy"], "daemons"),
-    **dict.fromkeys(["queue", "status", "config"], "queues"),
+    **dict.fromkeys(["queue", "status", "config", "serve"], "queues"),
     **dict.fromkeys(["compare", "repair", "spark-server", "sink"], "pipeline"),
     **dict.fromkeys(["provider", "subscriber", "replay"], "londiste2"),
     "demo": "demo",

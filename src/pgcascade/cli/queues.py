@@ -8,6 +8,7 @@ import click
 
 from pgcascade.cli.context import Context, Duration, echo_json, pass_ctx
 from pgcascade.core.config import known_keys
+from pgcascade.core.daemon import setup_logging
 from pgcascade.core.errors import UserError, redact
 from pgcascade.monitor import report
 from pgcascade.monitor import status as monitor
@@ -143,4 +144,25 @@ def config_value(cfg: object, group: str, name: str) -> object:
     return redact(value) if isinstance(value, str) else value
 
 
-COMMANDS = [queue_group, status, config]
+@click.command("serve")
+@click.option("--port", type=click.IntRange(1, 65535), help="Port of the page (default: serve_port, 8432).")
+@click.option("--address", help="Address to listen on (default: serve_address, 127.0.0.1).")
+@pass_ctx
+def serve(ctx: Context, port: int | None, address: str | None) -> None:
+    """Serve the set's live page, /api/topology and /metrics until interrupted."""
+    from pgcascade.monitor import web  # starlette and uvicorn: only for this verb
+
+    with ctx.connect() as conn:
+        ctx.node(conn)  # a node of a set, or one line saying it is not
+    setup_logging(ctx.cfg.logfile, verbose=ctx.verbose, quiet=ctx.quiet)
+    settings = ctx.cfg.serve
+    web.serve(
+        ctx.db(),
+        ctx.queue(),
+        address or settings.serve_address,
+        port or settings.serve_port,
+        settings.serve_refresh,
+    )
+
+
+COMMANDS = [queue_group, status, config, serve]

@@ -92,7 +92,7 @@ def tables_cmd(ctx: Context, as_json: bool) -> None:
     """List the replicated tables (on a subscriber, with their state)."""
     with ctx.this_node() as (conn, node):
         if as_json:
-            echo_json(report.table_rows(conn, node))
+            echo_json(report.tables_report(conn, node))
             return
         if node.role.captures_changes:
             for t, keys in set_tables.set_tables(conn, ctx.queue()).items():

@@ -152,3 +152,13 @@ def is_partitioned(conn: psycopg.Connection, table: str) -> bool:
 
 def table_exists(conn: psycopg.Connection, table: str) -> bool:
     return scalar(conn, "select to_regclass(%s) is not null", (table,))
+
+
+def estimated_rows(conn: psycopg.Connection, table: str) -> int | None:
+    """The planner's row estimate of the table and its partitions; None when never analysed."""
+    return scalar(
+        conn,
+        "select (sum(c.reltuples) filter (where c.reltuples >= 0))::int8 from pg_class c"
+        " where c.oid = %s::regclass or c.oid in (select relid from pg_partition_tree(%s::regclass))",
+        (table, table),
+    )

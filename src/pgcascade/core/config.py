@@ -108,6 +108,15 @@ class PipelineSettings:
 
 
 @dataclass(frozen=True)
+class ServeSettings:
+    """`serve`: the live page, /api/topology and the set's /metrics."""
+
+    serve_port: int = setting(8432, "port of the page (serve --port overrides it)", minimum=1)
+    serve_address: str = setting("127.0.0.1", "the address the page listens on (0.0.0.0: every interface)")
+    serve_refresh: float = setting(2.0, "seconds between two readings of the set", minimum=0.2)
+
+
+@dataclass(frozen=True)
 class JobConfig:
     path: Path
     job_name: str
@@ -127,6 +136,7 @@ class JobConfig:
     worker: WorkerSettings = field(default_factory=WorkerSettings)
     capture: CaptureSettings = field(default_factory=CaptureSettings)
     pipeline: PipelineSettings = field(default_factory=PipelineSettings)
+    serve: ServeSettings = field(default_factory=ServeSettings)
     spark_conf: dict[str, str] = field(default_factory=dict)  # spark.* keys, names as written
     unknown: dict[str, str] = field(default_factory=dict)  # keys this release ignores
 
@@ -139,6 +149,7 @@ GROUPS: dict[str, type] = {
     "worker": WorkerSettings,
     "capture": CaptureSettings,
     "pipeline": PipelineSettings,
+    "serve": ServeSettings,
 }
 
 

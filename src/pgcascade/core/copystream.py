@@ -27,6 +27,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from pgcascade.core import pgconn
 from pgcascade.core.errors import RuntimeFailure
+from pgcascade.core.hooks import pause_point
 from pgcascade.core.pgbin import pg_bindir
 from pgcascade.core.pgconn import scalar
 
@@ -165,8 +166,12 @@ class Progress:
         self.what = what
         self.every = every
         self.started = self.last = time.monotonic()
+        self.past_first_mb = False
 
     def __call__(self, moved: int) -> None:
+        if not self.past_first_mb and moved >= 1_000_000:
+            self.past_first_mb = True
+            pause_point("copy-stream", self.what)  # tests watch a COPY in flight
         now = time.monotonic()
         if now - self.last >= self.every:
             self.last = now

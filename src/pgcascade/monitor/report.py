@@ -8,6 +8,7 @@ seconds (floats), timestamps ISO 8601 in UTC, connection strings have their pass
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -19,10 +20,12 @@ from pgcascade.capture import tables as set_tables
 from pgcascade.cascade import survey
 from pgcascade.core import pgconn
 from pgcascade.core.errors import db_error_line, redact
+from pgcascade.core.pgconn import scalar
+from pgcascade.monitor import copies
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
-from pgcascade.pipeline.copy import progress
 from pgcascade.replica import tables as subscriber
+from pgcascade.replica.state import Phase
 
 SCHEMA_VERSION = 1
 
@@ -43,27 +46,74 @@ class Lag:
     provider_error: str | None = None
 
 
+def provider_connection(conn: psycopg.Connection, node: nodes.Node) -> psycopg.Connection:
+    return pgconn.connect(nodes.provider_location(conn, node), autocommit=True, connect_timeout=5)
+
+
+def lag_on(prov: psycopg.Connection, node: nodes.Node) -> Lag:
+    if node.last_tick is None:
+        return Lag(None, None, True)
+    newest = q.last_tick_id(prov, node.queue_name)
+    behind = None if newest is None else max(newest - node.last_tick, 0)
+    return Lag(seconds(q.tick_age(prov, node.queue_name, node.last_tick)), behind, True)
+
+
 def subscriber_lag(conn: psycopg.Connection, node: nodes.Node) -> Lag:
     """How far this subscriber is behind its provider, read from the provider."""
     try:
-        prov = pgconn.connect(nodes.provider_location(conn, node), autocommit=True, connect_timeout=5)
+        prov = provider_connection(conn, node)
     except psycopg.Error as e:
         return Lag(None, None, False, db_error_line(e))
     with prov:
-        if node.last_tick is None:
-            return Lag(None, None, True)
-        newest = q.last_tick_id(prov, node.queue_name)
-        behind = None if newest is None else max(newest - node.last_tick, 0)
-        return Lag(seconds(q.tick_age(prov, node.queue_name, node.last_tick)), behind, True)
+        return lag_on(prov, node)
 
 
-def table_rows(conn: psycopg.Connection, node: nodes.Node) -> list[dict[str, Any]]:
-    """The node's tables: captured ones on the root, replicated ones (with state) elsewhere."""
+def applied_position(t: subscriber.SubscriberTable, node: nodes.Node) -> int | None:
+    """The tick up to which this table's changes are applied here: the copy consumer's
+    while the copy process replays it, the node's once the worker does; None while copying."""
+    phase = t.state.phase
+    if phase is Phase.IN_COPY or phase is Phase.NEW:
+        return None
+    if phase is Phase.OK:
+        return node.last_tick
+    return t.copy_tick
+
+
+def table_lags(
+    prov: psycopg.Connection, node: nodes.Node, tables: list[subscriber.SubscriberTable]
+) -> dict[str, tuple[float | None, int | None]]:
+    """Per table: (seconds since its oldest change not applied here - 0 when none waits,
+    events waiting), read from the provider's queue; (None, None) while copying."""
+    by_tick: dict[int, list[str]] = {}
+    for t in tables:
+        tick = applied_position(t, node)
+        if tick is not None:
+            by_tick.setdefault(tick, []).append(t.table_name)
+    now = scalar(prov, "select now()")
+    out: dict[str, tuple[float | None, int | None]] = {t.table_name: (None, None) for t in tables}
+    for tick, names in by_tick.items():
+        try:
+            pending = q.pending_by_table(prov, node.queue_name, tick)
+        except psycopg.errors.NoDataFound:  # the tick rotated away: the worker fails louder
+            continue
+        for name in names:
+            p = pending.get(name)
+            out[name] = (0.0, 0) if p is None else (seconds(now - p.oldest), p.events)
+    return out
+
+
+def table_rows(
+    conn: psycopg.Connection, node: nodes.Node, prov: psycopg.Connection | None = None
+) -> list[dict[str, Any]]:
+    """The node's tables: captured ones on the root, replicated ones (with state, and their
+    lag when the provider answers) elsewhere."""
     if node.role.captures_changes:
         return [
             {"table": t, "key": keys, "format": fmt}
             for t, keys, fmt in set_tables.set_table_rows(conn, node.queue_name)
         ]
+    tables = subscriber.tables(conn, node.queue_name)
+    lags = table_lags(prov, node, tables) if prov is not None else {}
     return [
         {
             "table": t.table_name,
@@ -72,9 +122,23 @@ def table_rows(conn: psycopg.Connection, node: nodes.Node) -> list[dict[str, Any
             "state": str(t.state),
             "phase": t.state.phase.value,
             "tick": t.state.tick,
+            "lag_seconds": lags.get(t.table_name, (None, None))[0],
+            "pending_events": lags.get(t.table_name, (None, None))[1],
         }
-        for t in subscriber.tables(conn, node.queue_name)
+        for t in tables
     ]
+
+
+def tables_report(conn: psycopg.Connection, node: nodes.Node) -> list[dict[str, Any]]:
+    """`tables --json`: table_rows with each table's lag when the provider answers."""
+    if not node.role.reads_provider_queue:
+        return table_rows(conn, node)
+    try:
+        prov = provider_connection(conn, node)
+    except psycopg.Error:
+        return table_rows(conn, node)
+    with prov:
+        return table_rows(conn, node, prov)
 
 
 def node_report(conn: psycopg.Connection, node: nodes.Node) -> dict[str, Any]:
@@ -93,22 +157,47 @@ def node_report(conn: psycopg.Connection, node: nodes.Node) -> dict[str, Any]:
     error = nodes.last_error(conn, node.queue_name)
     if error:
         report["last_error"], report["last_error_time"] = error[0], timestamp(error[1])
-    if node.role.reads_provider_queue:
-        lag = subscriber_lag(conn, node)
-        report["lag_seconds"] = lag.seconds
-        report["ticks_behind"] = lag.ticks_behind
-        report["provider_reachable"] = lag.provider_reachable
-        report["provider_error"] = lag.provider_error
-    if node.role.captures_changes:
-        report["capture"] = capture_report(conn, node.queue_name)
-    tables = table_rows(conn, node)
-    report["tables"] = tables
-    per_state: dict[str, int] = {}
-    for t in tables:
-        per_state[t.get("state", "captured")] = per_state.get(t.get("state", "captured"), 0) + 1
-    report["tables_per_state"] = per_state
-    report["copies"] = [p for p in progress(conn, node.queue_name) if not p["finished"]]
+    with contextlib.ExitStack() as stack:
+        prov = None
+        if node.role.reads_provider_queue:
+            try:
+                prov = stack.enter_context(provider_connection(conn, node))
+                lag = lag_on(prov, node)
+            except psycopg.Error as e:
+                prov, lag = None, Lag(None, None, False, db_error_line(e))
+            report["lag_seconds"] = lag.seconds
+            report["ticks_behind"] = lag.ticks_behind
+            report["provider_reachable"] = lag.provider_reachable
+            report["provider_error"] = lag.provider_error
+        if node.role.captures_changes:
+            report["capture"] = capture_report(conn, node.queue_name)
+        if node.role.has_queue:
+            report["queue"] = queue_report(conn, node.queue_name)
+        tables = table_rows(conn, node, prov)
+        report["tables"] = tables
+        per_state: dict[str, int] = {}
+        for t in tables:
+            per_state[t.get("state", "captured")] = per_state.get(t.get("state", "captured"), 0) + 1
+        report["tables_per_state"] = per_state
+        report["copies"] = [
+            copies.copy_progress(conn, prov, node.queue_name, t)
+            for t in subscriber.tables(conn, node.queue_name)
+            if t.state.phase is Phase.IN_COPY
+        ]
     return report
+
+
+def queue_report(conn: psycopg.Connection, queue: str) -> dict[str, Any]:
+    """The node's own queue: what it keeps for the slowest subscriber."""
+    r = q.retained(conn, queue)
+    return {
+        "last_tick": q.last_tick_id(conn, queue),
+        "retained_events": r.events,
+        "retained_bytes": r.bytes,
+        "oldest_tick_age_seconds": seconds(scalar(conn, "select now()") - r.oldest_tick_time)
+        if r.oldest_tick_time
+        else None,
+    }
 
 
 def capture_report(conn: psycopg.Connection, queue: str) -> dict[str, Any]:

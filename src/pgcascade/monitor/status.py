@@ -17,8 +17,6 @@ from pgcascade.monitor import report
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
 from pgcascade.pgq.node import Node
-from pgcascade.pipeline.copy import progress, progress_line
-from pgcascade.replica import tables as subscriber
 
 
 def fmt_interval(td: timedelta | None) -> str:
@@ -175,23 +173,54 @@ def print_node_status(conn: psycopg.Connection, node: Node) -> None:
         console.print(watermark_table(conn, node.queue_name))
     if node.role.captures_changes:
         return
-    lag = report.subscriber_lag(conn, node)
-    if not lag.provider_reachable:
-        console.print(f"provider {node.provider_node}: [red]unreachable[/red] ({lag.provider_error})")
+    r = report.node_report(conn, node)
+    if not r["provider_reachable"]:
+        console.print(f"provider {node.provider_node}: [red]unreachable[/red] ({r['provider_error']})")
     console.print(f"provider: {node.provider_node}")
-    behind = lag.ticks_behind if lag.ticks_behind is not None else "?"
-    age = fmt_interval(None if lag.seconds is None else timedelta(seconds=lag.seconds))
+    behind = r["ticks_behind"] if r["ticks_behind"] is not None else "?"
+    age = fmt_seconds(r["lag_seconds"])
     console.print(
         f"lag: {age}, {behind} ticks (last applied tick {node.last_tick})"
         f"{'  [yellow]paused[/yellow]' if node.paused else ''}"
     )
-    states: dict[str, int] = {}
-    for t in subscriber.tables(conn, node.queue_name):
-        states[str(t.state)] = states.get(str(t.state), 0) + 1
-    console.print("tables: " + (", ".join(f"{s}: {n}" for s, n in sorted(states.items())) or "none"))
-    for p in progress(conn, node.queue_name):
-        if not p["finished"]:
-            console.print(progress_line(p), highlight=False)
-    error = nodes.last_error(conn, node.queue_name)
-    if error:
-        console.print(f"[red]last error[/red] ({error[1]:%Y-%m-%d %H:%M:%S}): {error[0]}")
+    console.print(
+        "tables: " + (", ".join(f"{s}: {n}" for s, n in sorted(r["tables_per_state"].items())) or "none")
+    )
+    if r["tables"]:
+        console.print(table_lag_table(r["tables"]))
+    for p in r["copies"]:
+        console.print(copy_line(p), highlight=False)
+    if r["last_error"]:
+        console.print(f"[red]last error[/red] ({r['last_error_time']}): {r['last_error']}")
+
+
+def fmt_seconds(s: float | None) -> str:
+    return fmt_interval(None if s is None else timedelta(seconds=s))
+
+
+def table_lag_table(tables: list[dict]) -> Table:
+    """Per table: its state and how late it is (the oldest change not applied here)."""
+    t = Table(title="tables (lag: age of the oldest change not applied here)", title_justify="left")
+    for col in ("table", "state", "lag", "waiting events"):
+        t.add_column(col, justify="left" if col in ("table", "state") else "right")
+    for row in tables:
+        waiting = row["pending_events"]
+        t.add_row(
+            row["table"],
+            row["state"],
+            fmt_seconds(row["lag_seconds"]),
+            "-" if waiting is None else str(waiting),
+        )
+    return t
+
+
+def copy_line(p: dict) -> str:
+    """One in-copy table: rows done of the estimate, rate, ETA (and Spark ranges)."""
+    total = "?" if p["rows_total"] is None else str(p["rows_total"])
+    pct = "" if p["percent"] is None else f" ({p['percent']:.0f}%)"
+    eta = "-" if p["eta"] is None else fmt_seconds(p["eta"])
+    ranges = f", {p['ranges_done']}/{p['ranges']} ranges" if p["ranges"] else ""
+    return (
+        f"copy {p['table']} ({p['method']}, {p['step']}): {p['rows']}/{total} rows{pct}{ranges},"
+        f" {p['rows_per_s']:.0f} rows/s, ETA {eta}"
+    )

@@ -268,3 +268,32 @@ def consumer_info(
 ) -> list[dict[str, Any]]:
     with conn.cursor(row_factory=psycopg.rows.dict_row) as cur:
         return cur.execute("select * from pgcascade.get_consumer_info(%s, %s)", (queue, consumer)).fetchall()
+
+
+@dataclass(frozen=True, slots=True)
+class Retained:
+    events: int  # between the oldest and the newest tick kept
+    bytes: int  # the event partitions on disk
+    oldest_tick_time: datetime | None
+
+
+def retained(conn: psycopg.Connection, queue: str) -> Retained:
+    """What the queue keeps for its slowest consumer (no scan of the events)."""
+    with conn.cursor(row_factory=class_row(Retained)) as cur:
+        row = cur.execute("select * from pgcascade.queue_retained(%s)", (queue,)).fetchone()
+    assert row is not None
+    return row
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    table_name: str
+    events: int
+    oldest: datetime  # ev_time of the oldest event not applied
+
+
+def pending_by_table(conn: psycopg.Connection, queue: str, after_tick: int) -> dict[str, Pending]:
+    """Per table, the row events a consumer at `after_tick` has still to apply."""
+    with conn.cursor(row_factory=class_row(Pending)) as cur:
+        rows = cur.execute("select * from pgcascade.pending_by_table(%s, %s)", (queue, after_tick))
+        return {p.table_name: p for p in rows}

@@ -44,6 +44,7 @@ from pgcascade.replica.definitions import SavedDefinitions
 log = logging.getLogger("pgcascade.copy")
 
 PROGRESS_EVERY = 5.0
+RANGE_APP_PREFIX = "pgcascade copy range "
 
 
 def min_rows(cfg: JobConfig) -> int | None:
@@ -53,8 +54,8 @@ def min_rows(cfg: JobConfig) -> int | None:
 
 
 def estimated_rows(prov: psycopg.Connection, table: str) -> int:
-    est = scalar(prov, "select reltuples::int8 from pg_class where oid = %s::regclass", (table,))
-    if est is None or est < 0:  # never analysed
+    est = catalog.estimated_rows(prov, table)
+    if est is None:  # never analysed
         est = scalar(prov, sql.SQL("select count(*) from {}").format(sql.SQL(table)))
     return est
 
@@ -124,6 +125,10 @@ def copy_range(ctx: CopyContext, r: RangeTask) -> tuple[int, int]:
     started = time.monotonic()
     with pgconn.connect(ctx.sub_dsn, connect_timeout=10) as sub:
         sub.execute(APPLY_SETTINGS)
+        # names the range in pg_stat_activity: the monitor's per-range progress and ETA
+        sub.execute(
+            sql.SQL("set application_name = {}").format(sql.Literal(f"{RANGE_APP_PREFIX}{r.range_no}"))
+        )
         done = scalar(
             sub,
             "select done from pgcascade.copy_range where queue_name = %s and table_name = %s and range_no = %s"
@@ -198,6 +203,7 @@ def progress(conn: psycopg.Connection, queue: str, table: str | None = None) -> 
                 "ranges_done": done,
                 "ranges": total,
                 "rows": nrows,
+                "rows_total": est,
                 "bytes": nbytes,
                 "mb_per_s": abytes / secs / 1e6 if secs > 0 else 0.0,
                 "rows_per_s": rate_rows,
