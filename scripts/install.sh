@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything pgcascade needs on a fresh Debian 12 machine, idempotently:
-#   - Debian packages (PostgreSQL 15 server and client, Java 17, the PostgreSQL JDBC driver),
+#   - Debian packages (PostgreSQL 15 server and client, Java 17, the PostgreSQL JDBC driver,
+#     Chromium for the page tests),
 #     when run as root; otherwise names the missing ones and stops;
 #   - a virtualenv in .venv with pgcascade and its Python dependencies.
 # Re-running it is cheap: it only installs what is missing.
@@ -10,7 +11,8 @@ cd "$(dirname "$0")/.."
 python_only=false
 [ "${1:-}" = "--python-only" ] && python_only=true
 
-DEB_PACKAGES=(postgresql-15 postgresql-client-15 openjdk-17-jre-headless libpostgresql-jdbc-java python3-venv)
+# chromium: the live page's browser tests (Playwright drives Debian's build; it downloads none)
+DEB_PACKAGES=(postgresql-15 postgresql-client-15 openjdk-17-jre-headless libpostgresql-jdbc-java chromium python3-venv)
 
 missing=()
 $python_only && DEB_PACKAGES=(python3-venv)

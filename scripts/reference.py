@@ -16,6 +16,7 @@ import click
 
 from pgcascade.cli.main import VERBS, cli, module_verbs
 from pgcascade.core import metrics
+from pgcascade.monitor.exporter import FAMILIES
 from pgcascade.core.config import known_keys
 
 NO_CONFIG = ("ticker", "demo", "completion")  # ticker takes its config as an argument
@@ -74,6 +75,16 @@ def metric_rows() -> list[str]:
         labels = ", ".join(collector._labelnames)
         name = family.name + ("_total" if family.type == "counter" else "")
         out.append(f"| `{name}` | {family.type} | {labels} | {family.documentation} |")
+    out += [
+        "",
+        "Read from the databases when scraped: the worker's /metrics has them for its node,",
+        "`serve`'s /metrics for every node of the set (the `pgcascade_node_*` ones only there).",
+        "",
+        "| metric | type | labels | meaning |",
+        "|---|---|---|---|",
+    ]
+    for name, (help_text, labels) in FAMILIES.items():
+        out.append(f"| `{name}` | gauge | {', '.join(labels)} | {help_text} |")
     return [*out, ""]
 
 

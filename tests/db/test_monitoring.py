@@ -5,6 +5,7 @@ leaf with the ticker and the worker running.  The rows are compared independentl
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 
@@ -31,7 +32,16 @@ def test_json_views_and_the_lag_check_follow_a_paused_and_resumed_leaf(replica):
         "root",
     )
     assert leaf["tables"] == [
-        {"table": "public.t", "dest": "public.t", "key": ["id"], "state": "ok", "phase": "ok", "tick": None}
+        {
+            "table": "public.t",
+            "dest": "public.t",
+            "key": ["id"],
+            "state": "ok",
+            "phase": "ok",
+            "tick": None,
+            "lag_seconds": 0.0,
+            "pending_events": 0,
+        }
     ]
     assert leaf["tables_per_state"] == {"ok": 1}
     assert leaf["provider_reachable"] is True and leaf["last_error"] is None and leaf["paused"] is False
@@ -63,6 +73,11 @@ def test_json_views_and_the_lag_check_follow_a_paused_and_resumed_leaf(replica):
     assert late.stdout.startswith("CRITICAL leaf1 (leaf): lag ") and late.stdout.rstrip().endswith("over 1 s")
     paused = json.loads(replica.cli("leaf", "status", "--json").stdout)
     assert paused["paused"] is True and paused["lag_seconds"] > 1 and paused["ticks_behind"] >= 1
+    # the table's own lag: its oldest change not applied, and how many wait (the 10 updates)
+    (t,) = json.loads(replica.cli("leaf", "tables", "--json").stdout)
+    assert t["pending_events"] == 10 and t["lag_seconds"] > 2, t
+    text = replica.cli("leaf", "status").stdout
+    assert re.search(r"public\.t\s+│\s+ok\s+│\s+[\d.]+ s\s+│\s+10", text), text
 
     replica.cli("leaf", "resume")
     replica.wait_sync(60)

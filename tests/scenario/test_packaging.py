@@ -30,6 +30,8 @@ def test_the_wheel_installed_alone_runs_the_demo(tmp_path):
     assert len(list((site / "pgcascade" / "sql").rglob("*.sql"))) == len(
         list((ROOT / "src/pgcascade/sql").rglob("*.sql"))
     )
+    page = {p.name for p in (site / "pgcascade" / "monitor" / "page").iterdir()}
+    assert page == {p.name for p in (ROOT / "src/pgcascade/monitor/page").iterdir()}  # serve's page
     env = {**os.environ, "PYTHONPATH": str(site)}  # ahead of the editable install of the checkout
     where = subprocess.run(
         [sys.executable, "-c", "import pgcascade; print(pgcascade.__file__)"],
@@ -56,7 +58,7 @@ def test_the_wheel_installed_alone_runs_the_demo(tmp_path):
 def test_systemd_units_run_real_daemons_and_stop_them_gently(tmp_path):
     units = sorted((ROOT / "packaging" / "systemd").glob("pgcascade-*@.service"))
     assert {u.name for u in units} == {
-        f"pgcascade-{d}@.service" for d in ("worker", "ticker", "capture", "sink")
+        f"pgcascade-{d}@.service" for d in ("worker", "ticker", "capture", "sink", "serve")
     }
     for unit in units:
         cfg = configparser.ConfigParser(interpolation=None, strict=False)
@@ -66,7 +68,8 @@ def test_systemd_units_run_real_daemons_and_stop_them_gently(tmp_path):
         daemon = unit.name.split("-", 1)[1].split("@")[0]
         assert daemon in words and "/etc/pgcascade/%i.ini" in words
         assert service["KillSignal"] == "SIGINT"  # systemctl stop = `-s`: the batch in hand finishes
-        assert service["ExecReload"] == "/bin/kill -HUP $MAINPID"
+        if daemon != "serve":  # serve re-reads nothing: no reload
+            assert service["ExecReload"] == "/bin/kill -HUP $MAINPID"
         if shutil.which("systemd-analyze"):
             exe = str(Path(sys.executable).parent / "pgcascade")
             instance = tmp_path / unit.name.replace("@", "@job")

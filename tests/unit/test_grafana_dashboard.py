@@ -1,10 +1,11 @@
-"""The Grafana dashboard (docs/grafana) asks only for metrics the daemons export."""
+"""The Grafana dashboard (docs/grafana) asks only for metrics the daemons and serve export."""
 
 import json
 import re
 from pathlib import Path
 
 from pgcascade.core import metrics
+from pgcascade.monitor.exporter import FAMILIES
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "pgcascade-dashboard.json"
 
@@ -21,7 +22,7 @@ def exported_series() -> set[str]:
                     names |= {family.name + s for s in ("_bucket", "_sum", "_count")}
                 else:
                     names.add(family.name)
-    return names
+    return names | set(FAMILIES)  # read from the databases at scrape (all gauges)
 
 
 def test_every_panel_queries_exported_metrics_with_their_labels():
@@ -35,4 +36,5 @@ def test_every_panel_queries_exported_metrics_with_their_labels():
                 used.add(name)
     # the lag, the throughput and the errors are on the board
     assert {"pgcascade_lag_seconds", "pgcascade_events_total", "pgcascade_errors_total"} <= used
+    assert {"pgcascade_table_lag_seconds", "pgcascade_copy_rows", "pgcascade_copy_eta_seconds"} <= used
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
