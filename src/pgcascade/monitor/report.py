@@ -96,6 +96,8 @@ def table_lags(
             pending = q.pending_by_table(prov, node.queue_name, tick)
         except psycopg.errors.NoDataFound:  # the tick rotated away: the worker fails louder
             continue
+        except psycopg.errors.UndefinedFunction:  # a provider not upgraded yet (docs/operations.md)
+            break
         for name in names:
             p = pending.get(name)
             out[name] = (0.0, 0) if p is None else (seconds(now - p.oldest), p.events)
@@ -188,16 +190,21 @@ def node_report(conn: psycopg.Connection, node: nodes.Node) -> dict[str, Any]:
 
 
 def queue_report(conn: psycopg.Connection, queue: str) -> dict[str, Any]:
-    """The node's own queue: what it keeps for the slowest subscriber."""
-    r = q.retained(conn, queue)
-    return {
+    """The node's own queue: its newest tick and what it keeps for the slowest subscriber."""
+    out: dict[str, Any] = {
         "last_tick": q.last_tick_id(conn, queue),
-        "retained_events": r.events,
-        "retained_bytes": r.bytes,
-        "oldest_tick_age_seconds": seconds(scalar(conn, "select now()") - r.oldest_tick_time)
-        if r.oldest_tick_time
-        else None,
+        "retained_events": None,
+        "retained_bytes": None,
+        "oldest_tick_age_seconds": None,
     }
+    try:
+        r = q.retained(conn, queue)
+    except psycopg.errors.UndefinedFunction:  # a node not upgraded yet (docs/operations.md)
+        return out
+    out["retained_events"], out["retained_bytes"] = r.events, r.bytes
+    if r.oldest_tick_time is not None:
+        out["oldest_tick_age_seconds"] = seconds(scalar(conn, "select now()") - r.oldest_tick_time)
+    return out
 
 
 def capture_report(conn: psycopg.Connection, queue: str) -> dict[str, Any]:
