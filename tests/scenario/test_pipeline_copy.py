@@ -7,6 +7,7 @@ its rows twice.  Equality is an md5 of every row on both sides, computed by Post
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -82,6 +83,20 @@ def test_spark_copy_killed_halfway_resumes_with_the_ranges_not_done(replica):
         return 3 <= done < len(rs) - 3
 
     wait_until(halfway, 180, what="a Spark copy with some ranges done and some not")
+
+    def range_in_flight() -> dict | None:
+        """The copy as `status --json` shows it, once a range in flight has copied rows."""
+        copies = json.loads(r.cli("leaf", "status", "--json").stdout)["copies"]
+        (c,) = [c for c in copies if c["table"] == ACCOUNTS]
+        return c if any(f["rows"] > 0 and f["eta"] is not None for f in c["ranges_in_flight"]) else None
+
+    wait_until(range_in_flight, 30, interval=0.2, what="a range in flight with rows in status --json")
+    c = range_in_flight() or {}
+    assert c["method"] == "spark" and c["step"] == "copying" and c["rows_total"] == 2_000_000, c
+    assert c["ranges"] >= 10 and c["ranges_done"] < c["ranges"] and 0 < c["percent"] < 100, c
+    assert c["eta"] is not None and c["eta"] > 0 and c["rows_per_s"] > 0, c
+    for f in c["ranges_in_flight"]:
+        assert f["rows_total"] == 2_000_000 // c["ranges"] and f["rows"] <= f["rows_total"] * 1.5, f
     with r.leaf.connect() as conn:
         copy_pid = conn.execute(
             "select copy_pid from pgcascade.subscriber_table where table_name = %s", (ACCOUNTS,)
@@ -91,7 +106,7 @@ def test_spark_copy_killed_halfway_resumes_with_the_ranges_not_done(replica):
     os.kill(copy_pid, signal.SIGKILL)
     before = {n: (done_at, attempt) for n, done, done_at, attempt in ranges(r.leaf) if done}
     status = r.cli("leaf", "status").stdout
-    assert "spark copy public.pgbench_accounts:" in status and "ranges" in status, status
+    assert "copy public.pgbench_accounts (spark, " in status and " ranges, " in status, status
     # the Spark JVM and its Python workers go with the copy process that ran them
     wait_until(lambda: not any(alive(p) for p in jvms), 30, what="the killed copy's Spark JVM to exit")
 

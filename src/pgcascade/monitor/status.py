@@ -189,7 +189,7 @@ def print_node_status(conn: psycopg.Connection, node: Node) -> None:
     if r["tables"]:
         console.print(table_lag_table(r["tables"]))
     for p in r["copies"]:
-        console.print(copy_line(p), highlight=False)
+        console.print(copy_line(p), highlight=False, soft_wrap=True)
     if r["last_error"]:
         console.print(f"[red]last error[/red] ({r['last_error_time']}): {r['last_error']}")
 
