@@ -16,8 +16,8 @@ import click
 
 from pgcascade.cli.main import VERBS, cli, module_verbs
 from pgcascade.core import metrics
-from pgcascade.monitor.exporter import FAMILIES
 from pgcascade.core.config import known_keys
+from pgcascade.monitor.exporter import FAMILIES
 
 NO_CONFIG = ("ticker", "demo", "completion")  # ticker takes its config as an argument
 TARGET = Path(__file__).resolve().parents[1] / "docs" / "reference.md"

@@ -145,7 +145,9 @@ def test_page_follows_a_copy_a_lagging_branch_and_a_switchover(cascade, make_db)
         lag_text = page.get_by_test_id("graph-lag-s2")
         first = lag_seconds(lag_text.text_content() or "")
         wait_until(
-            lambda: lag_seconds(lag_text.text_content() or "") > first + 1.5, 20, what="s2's lag to grow on the page"
+            lambda: lag_seconds(lag_text.text_content() or "") > first + 1.5,
+            20,
+            what="s2's lag to grow on the page",
         )
         table_lag = page.get_by_test_id("tables-s2").locator(
             'tr[data-table="public.pgbench_accounts"] [data-testid="lag"]'

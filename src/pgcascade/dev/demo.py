@@ -4,14 +4,16 @@ Three clusters: a root with the pgbench tables, a branch fed by the root (it rep
 tables and carries the queue), and a leaf fed by the branch.  Tickers and workers run as real
 daemons.  Two tables are replicated from the start; while pgbench runs, the other two are added
 on every node (their initial copies and hand-overs happen under load, the leaf's after the
-branch's).  At the end the demo checks, with its own query on each side, that every table on
-the branch and the leaf equals the root's.
+branch's).  `serve` runs beside them: the live page of the set is printed as a URL.  At the
+end the demo checks, with its own query on each side, that every table on the branch and the
+leaf equals the root's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -69,7 +71,28 @@ def status_view(conns: dict[str, psycopg.Connection], elapsed: float, note: str)
     return Group(f"[bold]{elapsed:4.0f}s[/bold]  {note}", set_tree(conns["leaf1"], QUEUE), t)
 
 
-def run_demo(seconds: float = 30.0, keep: bool = False) -> None:
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def start_page(console: Console, leaf_ini: Path, port: int | None, procs: list[subprocess.Popen]) -> None:
+    """`serve` on the leaf's ini (it reads every member): the set's live page, when the port is free."""
+    if port is None:
+        return
+    if not port_free(port):
+        console.print(f"live page: port {port} is taken (demo --serve-port N picks another)")
+        return
+    args = [str(leaf_ini), "serve", "--port", str(port)]
+    procs.append(subprocess.Popen([sys.executable, "-m", "pgcascade", "-q", *args]))
+    console.print(f"live page of the set: [bold]http://127.0.0.1:{port}/[/bold] (while the demo runs)")
+
+
+def run_demo(seconds: float = 30.0, keep: bool = False, serve_port: int | None = 8432) -> None:
     console = Console()
     work = Path(tempfile.mkdtemp(prefix="pgcascade-demo-"))
     console.print(f"[bold]pgcascade demo[/bold]: root, branch and leaf clusters in {work}")
@@ -78,6 +101,7 @@ def run_demo(seconds: float = 30.0, keep: bool = False) -> None:
     procs: list[subprocess.Popen] = []
     try:
         ini = build_cascade(work, dbs, procs)
+        start_page(console, ini["leaf1"], serve_port, procs)
         load = start_pgbench(dbs["root"], seconds)
         watch_until_in_sync(console, dbs, ini, load, seconds)
     finally:

@@ -58,16 +58,6 @@ def lag_on(prov: psycopg.Connection, node: nodes.Node) -> Lag:
     return Lag(seconds(q.tick_age(prov, node.queue_name, node.last_tick)), behind, True)
 
 
-def subscriber_lag(conn: psycopg.Connection, node: nodes.Node) -> Lag:
-    """How far this subscriber is behind its provider, read from the provider."""
-    try:
-        prov = provider_connection(conn, node)
-    except psycopg.Error as e:
-        return Lag(None, None, False, db_error_line(e))
-    with prov:
-        return lag_on(prov, node)
-
-
 def applied_position(t: subscriber.SubscriberTable, node: nodes.Node) -> int | None:
     """The tick up to which this table's changes are applied here: the copy consumer's
     while the copy process replays it, the node's once the worker does; None while copying."""

@@ -120,5 +120,7 @@ def serve(dsn: str, queue: str, address: str, port: int, refresh: float) -> None
     log.info("serving set %s on http://%s:%d/", queue, address, port)
     try:
         uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it stopped on: a normal stop
+        log.info("serve stopped")
     finally:
         reader.stopping.set()
