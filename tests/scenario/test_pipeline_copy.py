@@ -90,8 +90,8 @@ def test_spark_copy_killed_halfway_resumes_with_the_ranges_not_done(replica):
         (c,) = [c for c in copies if c["table"] == ACCOUNTS]
         return c if any(f["rows"] > 0 and f["eta"] is not None for f in c["ranges_in_flight"]) else None
 
-    wait_until(range_in_flight, 30, interval=0.2, what="a range in flight with rows in status --json")
-    c = range_in_flight() or {}
+    # the snapshot that satisfied the wait: a second look may fall between two ranges
+    c = wait_until(range_in_flight, 30, interval=0.2, what="a range in flight with rows in status --json")
     assert c["method"] == "spark" and c["step"] == "copying" and c["rows_total"] == 2_000_000, c
     assert c["ranges"] >= 10 and c["ranges_done"] < c["ranges"] and 0 < c["percent"] < 100, c
     assert c["eta"] is not None and c["eta"] > 0 and c["rows_per_s"] > 0, c

@@ -156,12 +156,13 @@ def new_cluster(name: str, basedir: Path | None = None, **kwargs: object) -> Loc
     return cluster
 
 
-def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05, what: str = "condition") -> None:
-    """Poll `predicate` until it is true; raise TimeoutError naming `what` otherwise."""
+def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05, what: str = "condition"):
+    """Poll `predicate` until it is true and return that true value; raise TimeoutError naming `what` otherwise."""
     deadline = time.monotonic() + timeout
     while True:
-        if predicate():
-            return
+        value = predicate()
+        if value:
+            return value
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
