@@ -77,21 +77,30 @@ def main() -> int:
             with psycopg.connect(leaf, autocommit=True) as c:
                 c.execute("update pgcascade.node set last_tick = %s where queue_name = %s", (tick, QUEUE))
             made = 0
-            print(f"{'backlog events':>15} {'per table ms':>13} {'consumer ms':>12} {'ratio':>7} "
-                  f"{'status --json ms':>17}")
+            print(
+                f"{'backlog events':>15} {'per table ms':>13} {'consumer ms':>12} {'ratio':>7} "
+                f"{'status --json ms':>17}"
+            )
             for target in (int(x) for x in args.backlogs.split(",")):
-                subprocess.run([pgbench, "-n", "-N", "-c", "2", "-j", "2", "-t", str((target - made) // 2), root],
-                               check=True, capture_output=True)
+                subprocess.run(
+                    [pgbench, "-n", "-N", "-c", "2", "-j", "2", "-t", str((target - made) // 2), root],
+                    check=True,
+                    capture_output=True,
+                )
                 made = target
                 prov.execute("select pgcascade.ticker(%s)", (QUEUE,))
                 events = prov.execute(
                     "select sum(events) from pgcascade.pending_by_table(%s, %s)", (QUEUE, tick)
                 ).fetchone()[0]
                 per_table = median_ms(prov, "select * from pgcascade.pending_by_table(%s, %s)", (QUEUE, tick))
-                per_consumer = median_ms(prov, "select * from pgcascade.get_consumer_info(%s, %s)", (QUEUE, name))
+                per_consumer = median_ms(
+                    prov, "select * from pgcascade.get_consumer_info(%s, %s)", (QUEUE, name)
+                )
                 status = statistics.median(cli(str(ini["leaf"]), "status", "--json") for _ in range(3))
-                print(f"{events:>15,} {per_table:>13.1f} {per_consumer:>12.2f} {per_table / per_consumer:>7.0f}x "
-                      f"{status:>17.0f}")
+                print(
+                    f"{events:>15,} {per_table:>13.1f} {per_consumer:>12.2f} {per_table / per_consumer:>7.0f}x "
+                    f"{status:>17.0f}"
+                )
     finally:
         cluster.destroy()
     return 0
