@@ -212,6 +212,30 @@ def test_event_that_fails_stops_the_worker_until_fixed(replica):
     assert "last error" not in status()
 
 
+def test_copy_waits_for_a_queued_ddl_the_worker_has_not_run(replica):
+    """A copy whose snapshot already holds a column that a queued EXECUTE adds on the subscriber
+    would copy without it; the column's default would then replace the provider's values."""
+    r = replica
+    with r.root.connect() as conn:
+        conn.execute("create table t (id int primary key, v text)")
+    r.setup(["t"])
+    with r.root.connect() as conn:
+        conn.execute("insert into t values (1, 'before the ddl')")
+    ddl = r.tmp / "ddl.sql"
+    ddl.write_text("alter table t add column w int default 7;\n")
+    r.cli("root", "execute", str(ddl))
+    with r.root.connect() as conn:
+        conn.execute("insert into t (id, v, w) values (2, 'after the ddl', 8)")
+    r.start_ticker()
+    # the worker holds the batch with the EXECUTE while the copy process starts
+    r.start_worker(env={"PGCASCADE_PAUSE_AT": "execute", "PGCASCADE_PAUSE_SECONDS": "6"})
+    wait_until(lambda: "pause point execute" in r.log(), 30, what="the worker paused before the DDL")
+    r.wait_sync()
+    r.assert_equal("t")
+    assert r.leaf.scalar("select w from t where id = 2") == 8
+    assert "waiting for the worker to run 1 queued DDL script" in r.log()
+
+
 def test_pgbench_backlog_is_caught_up_in_merged_batches(bench_replica):
     r = bench_replica
     r.start_ticker()

@@ -172,6 +172,17 @@ def tick_covers_snapshot(conn: psycopg.Connection, queue: str, tick: int, snapsh
     return bool(row and row[0])
 
 
+def pending_event_count(
+    conn: psycopg.Connection, queue: str, after_tick: int, snapshot: str, types: tuple[str, ...]
+) -> int:
+    """Events of these types committed after tick `after_tick` and visible in `snapshot`."""
+    row = conn.execute(
+        "select pgcascade.pending_event_count(%s, %s, %s::pg_snapshot, %s)",
+        (queue, after_tick, snapshot, list(types)),
+    ).fetchone()
+    return int(row[0]) if row else 0
+
+
 def batch_event_sql(conn: psycopg.Connection, batch_id: int) -> str:
     """The query that reads a batch's events (composed by the queue, with quoted literals)."""
     row = conn.execute("select pgcascade.batch_event_sql(%s)", (batch_id,)).fetchone()

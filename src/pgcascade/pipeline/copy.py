@@ -238,7 +238,7 @@ class SparkCopy:
         keep = [(c, t) for c, t in zip(spec.columns, spec.types, strict=True) if c in dest_cols]
         return dataclasses.replace(spec, columns=tuple(c for c, _ in keep), types=tuple(t for _, t in keep))
 
-    def run(self) -> None:
+    def run(self) -> bool:
         sub, prov = self.sub, self.prov
         # the consumer first, then the snapshot: every event the snapshot misses is after its tick
         reg_tick = None if has_plan(sub, self.queue, self.table) else self.proc.register_own_consumer()
@@ -250,6 +250,8 @@ class SparkCopy:
             # this attempt's snapshot: exported for the tasks, held until they are done
             exported = scalar(holder, "select pg_export_snapshot()")
             current = scalar(holder, "select pg_current_snapshot()::text")
+            if reg_tick is not None and self.proc.ddl_pending(current):
+                return False
             spec = self.spec(holder)
             if reg_tick is not None:
                 self.plan(holder, spec, current, reg_tick)
@@ -276,6 +278,7 @@ class SparkCopy:
                 )
                 self.run_tasks(ctx, pending)
         self.finish(prov)
+        return True
 
     def plan(self, holder: psycopg.Connection, spec: sg.TableSpec, snapshot: str, reg_tick: int) -> None:
         sub = self.sub
@@ -375,8 +378,8 @@ class SparkCopier:
     ) -> bool:
         return wanted(cfg, sub, prov, queue, table)
 
-    def run(self, process: CopyProcess, st: subscriber.SubscriberTable) -> None:
-        SparkCopy(process, st).run()
+    def run(self, process: CopyProcess, st: subscriber.SubscriberTable) -> bool:
+        return SparkCopy(process, st).run()
 
     def forget(self, sub: psycopg.Connection, queue: str, table: str) -> None:
         forget_plan(sub, queue, table)

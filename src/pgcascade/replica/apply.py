@@ -28,6 +28,7 @@ from psycopg import sql
 
 from pgcascade.core import catalog
 from pgcascade.core.errors import RuntimeFailure, db_error_line
+from pgcascade.core.hooks import pause_point
 from pgcascade.core.pgconn import scalar
 from pgcascade.pgq import queue as q
 from pgcascade.replica.tables import SubscriberTable
@@ -282,6 +283,7 @@ def apply_staged(
         if ev_type == "EXECUTE":
             if skip is None:  # copy processes leave DDL to the main worker
                 log.info("executing %s from the queue", ev_extra1 or "script")
+                pause_point("execute")
                 try:
                     sub.execute(ev_data.encode())
                 except psycopg.OperationalError:

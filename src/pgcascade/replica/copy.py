@@ -57,7 +57,9 @@ class BulkCopier(Protocol):
         self, cfg: JobConfig, sub: psycopg.Connection, prov: psycopg.Connection, queue: str, table: str
     ) -> bool: ...
 
-    def run(self, process: CopyProcess, st: subscriber.SubscriberTable) -> None: ...
+    def run(self, process: CopyProcess, st: subscriber.SubscriberTable) -> bool:
+        """Copy the table (or resume); False when it must wait (see CopyProcess.ddl_pending)."""
+        ...
 
     def forget(self, sub: psycopg.Connection, queue: str, table: str) -> None:
         """A new copy of the table starts (NULL -> in-copy): what an earlier one left goes."""
@@ -148,10 +150,23 @@ class CopyProcess(Daemon):
             log.info("%s: waiting for the provider to hold it (%s)", self.table, lacking[self.table])
             return False
         if self.bulk is not None and self.bulk.wanted(self.cfg, sub, prov, self.queue, self.table):
-            self.bulk.run(self, st)  # a large table: key ranges copied by Spark tasks, resumable
-        else:
-            self.initial_copy(st)
-        return True
+            return self.bulk.run(self, st)  # a large table: key ranges copied by Spark tasks, resumable
+        return self.initial_copy(st)
+
+    def ddl_pending(self, snapshot: str) -> bool:
+        """Whether `snapshot` sees DDL (EXECUTE events) that this node's worker has not run yet.
+
+        The copy takes the columns the subscriber's table has now; a column that a queued
+        script adds would be copied as its default, not as the provider's values: such a copy
+        waits for the worker, which runs the script at its place in the queue."""
+        assert self.sub is not None and self.prov is not None
+        applied = nodes.applied_tick(self.sub, self.queue)
+        if not applied:
+            return False
+        n = q.pending_event_count(self.prov, self.queue, applied, snapshot, ("EXECUTE",))
+        if n:
+            log.info("%s: waiting for the worker to run %d queued DDL script(s) first", self.table, n)
+        return n > 0
 
     def catching_up(
         self, sub: psycopg.Connection, prov: psycopg.Connection, st: subscriber.SubscriberTable
@@ -188,19 +203,24 @@ class CopyProcess(Daemon):
         assert tick is not None
         return tick
 
-    def initial_copy(self, st: subscriber.SubscriberTable) -> None:
+    def initial_copy(self, st: subscriber.SubscriberTable) -> bool:
         assert self.sub is not None and self.prov is not None
         reg_tick = self.register_own_consumer()
         started = time.monotonic()
-        dest_cols = {c.name for c in catalog.columns(self.sub, st.dest_table) if not c.generated}
-        cols = [
-            c.name for c in catalog.columns(self.prov, self.table) if c.name in dest_cols and not c.generated
-        ]
         with pgconn.connect(self.prov_location, connect_timeout=10) as snap_conn:
             snap_conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
             snap_conn.read_only = True
             # the transaction's snapshot: every event committed before it is in the copied rows
             snapshot = copystream.current_snapshot(snap_conn)
+            if self.ddl_pending(snapshot):
+                return False
+            # the columns once no queued DDL is ahead of the copy
+            dest_cols = {c.name for c in catalog.columns(self.sub, st.dest_table) if not c.generated}
+            cols = [
+                c.name
+                for c in catalog.columns(snap_conn, self.table)
+                if c.name in dest_cols and not c.generated
+            ]
             log.info("%s: copying under snapshot %s, catch-up from tick %d", self.table, snapshot, reg_tick)
             with self.sub.transaction():
                 self.sub.execute(APPLY_SETTINGS)
@@ -237,6 +257,7 @@ class CopyProcess(Daemon):
             copied - started,
             time.monotonic() - copied,
         )
+        return True
 
     def apply_next_batch(self, st: subscriber.SubscriberTable, max_tick: int | None) -> bool:
         sub, prov = self.connect()

@@ -50,3 +50,40 @@ language sql stable as $$
        and (i_consumer is null or c.co_name = i_consumer)
      order by q.queue_name, c.co_name
 $$;
+
+-- pgcascade.pending_event_count(queue, after_tick, snapshot, types) -> the events of these types
+-- committed after the tick (not visible in its snapshot) and visible in `snapshot`: what a
+-- consumer at that tick has still to apply of what a transaction with that snapshot sees.
+-- A copy asks it for EXECUTE events before copying under its snapshot.
+create or replace function pgcascade.pending_event_count(
+    i_queue_name text, i_after_tick int8, i_snapshot pg_snapshot, i_types text[])
+returns int8
+language plpgsql stable as $$
+declare
+    qid int4;
+    snap pg_snapshot;
+    xip int8[];
+    n int8;
+begin
+    select queue_id into qid from pgcascade.queue where queue_name = i_queue_name;
+    if not found then
+        raise exception 'queue "%" does not exist', i_queue_name using errcode = 'P0002';
+    end if;
+    select tick_snapshot into snap from pgcascade.tick where tick_queue = qid and tick_id = i_after_tick;
+    if not found then
+        raise exception 'tick % of queue "%" no longer exists', i_after_tick, i_queue_name using errcode = 'P0002';
+    end if;
+    select coalesce(array_agg(x::text::int8), '{}') into xip from pg_snapshot_xip(snap) x;
+    -- the two index range scans on ev_txid of a batch (see pending_by_table)
+    select count(*) into n
+      from (select ev_txid, ev_type from pgcascade.event
+             where ev_part >= qid * 16 and ev_part < qid * 16 + 16
+               and ev_txid >= pg_snapshot_xmax(snap)::text::int8
+            union all
+            select ev_txid, ev_type from pgcascade.event
+             where ev_part >= qid * 16 and ev_part < qid * 16 + 16
+               and ev_txid = any(xip)) e
+     where e.ev_type = any(i_types)
+       and pg_visible_in_snapshot(e.ev_txid::text::xid8, i_snapshot);
+    return n;
+end $$;
