@@ -89,12 +89,21 @@ class PipelineSettings:
         Path("~/.pgcascade/spark-server"), "where spark-server keeps its pid and logs"
     )
     spark_server_port: int = setting(15002, "port of spark-server", minimum=1)
+    spark_server_address: str = setting(
+        "127.0.0.1", "the address spark-server listens on for commands (0.0.0.0: every interface)"
+    )
+    spark_executor_wait: float = setting(
+        120.0, "seconds a command on a Spark cluster waits for an executor before it gives up", minimum=1
+    )
     jdbc_jar: Path = setting(Path("/usr/share/java/postgresql.jar"), "the PostgreSQL JDBC driver")
     spark_copy_min_rows: int | None = setting(
         5_000_000, "tables with at least this many rows copy as Spark tasks (off: never)", minimum=1
     )
     spark_copy_streams: int | None = setting(
-        None, "ranges copied at once (default: half this host's cores)", minimum=1
+        None,
+        "ranges copied at once (default: half this host's cores in local mode, else the"
+        " cluster's cores, within what the databases' connection slots allow)",
+        minimum=1,
     )
     spark_copy_range_rows: int = setting(2_000_000, "rows per Spark copy range", minimum=1)
     compare_segment_rows: int = setting(250_000, "rows per compared key range (a Spark task)", minimum=1)

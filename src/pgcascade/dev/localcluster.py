@@ -49,13 +49,18 @@ def _as_server_user() -> list[str]:
 
 @dataclass
 class LocalCluster:
-    """One PostgreSQL cluster in a directory of its own, reachable on 127.0.0.1:port as `postgres`."""
+    """One PostgreSQL cluster in a directory of its own, reachable on 127.0.0.1:port as `postgres`.
+
+    `address`: another address of this host to listen on as well, trusted from its subnet
+    (the tests' Spark workers in network namespaces reach PostgreSQL there); connection
+    strings then name it."""
 
     name: str
     basedir: Path
     port: int = field(default_factory=free_port)
     settings: dict[str, str] = field(default_factory=dict)
     fast_unsafe: bool = True
+    address: str = "127.0.0.1"
 
     @property
     def datadir(self) -> Path:
@@ -98,6 +103,10 @@ class LocalCluster:
         conf.update(self.settings)
         conf["port"] = str(self.port)
         conf["unix_socket_directories"] = f"'{self.basedir}'"
+        if self.address != "127.0.0.1":
+            conf["listen_addresses"] = f"'127.0.0.1,{self.address}'"
+            with (self.datadir / "pg_hba.conf").open("a") as f:
+                f.write("host all all samenet trust\n")
         with (self.datadir / "postgresql.auto.conf").open("a") as f:
             f.writelines(f"{k} = {v}\n" for k, v in conf.items())
         return self
@@ -121,7 +130,7 @@ class LocalCluster:
         return r.returncode == 0
 
     def connstr(self, dbname: str = "postgres") -> str:
-        return f"host=127.0.0.1 port={self.port} user=postgres dbname={dbname}"
+        return f"host={self.address} port={self.port} user=postgres dbname={dbname}"
 
     def connect(self, dbname: str = "postgres", autocommit: bool = True) -> psycopg.Connection:
         return pgconn.connect(self.connstr(dbname), autocommit=autocommit)

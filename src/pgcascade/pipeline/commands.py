@@ -31,7 +31,7 @@ def compare(
     # Spark first: a config mistake fails before the provider is locked, and the snapshots are
     # not held open while Spark starts
     cmp = Comparison(cfg, tables, prog)  # checks the tables: a typo fails at once
-    spark = None if count_only else _spark(cfg, prog)
+    spark = None if count_only else _spark(cfg, prog, "pgcascade compare")
     with cmp:
         results = cmp.count_only() if count_only else cmp.run(spark)
     if as_json:
@@ -49,7 +49,7 @@ def repair(cfg: JobConfig, tables: list[str], output: str | None, apply: bool, p
     prog = Progress(progress)
 
     cmp = Comparison(cfg, tables, prog)
-    spark = _spark(cfg, prog)
+    spark = _spark(cfg, prog, "pgcascade repair")
     with contextlib.ExitStack() as stack:
         stack.enter_context(cmp)
         spool = KeySpool() if apply else None
@@ -73,19 +73,21 @@ def repair(cfg: JobConfig, tables: list[str], output: str | None, apply: bool, p
         specs = cmp.task.specs
     write_report(results, sys.stderr if output == "-" else sys.stdout)
     differing = sum(r.missing + r.extra + r.different for r in results)
-    if spool is not None and differing:
-        prog.step(f"applying the fix of {differing} row(s) under a new sync point")
+    if spool is not None and spool.count:
+        # the spool's count: the keys the fix replaces, whatever the report's figures say
+        prog.step(f"applying the fix of {spool.count} differing row(s) under a new sync point")
         n = apply_fix(cmp.db, cmp.queue, specs, spool, cmp.settings.sync_timeout)
         prog.step(f"applied: {n} row(s) replaced by the provider's")
         return EXIT_EQUAL
     return EXIT_EQUAL if differing == 0 else EXIT_DIFFERENT
 
 
-def _spark(cfg: JobConfig, prog: Progress):
+def _spark(cfg: JobConfig, prog: Progress, app_name: str):
     from pgcascade.pipeline.session import build_session
 
-    prog.step("starting Spark")
-    spark = build_session(cfg, "pgcascade compare")
+    where = cfg.pipeline.spark_remote.split(";")[0] or cfg.pipeline.spark_master  # no token
+    prog.step(f"starting Spark ({where})")
+    spark = build_session(cfg, app_name)
     prog.step("Spark ready")
     return spark
 
@@ -96,6 +98,6 @@ def compact(cfg: JobConfig) -> None:
     if not path:
         raise UserError("sink compact needs --path DIR (or sink_path in the config)")
     prog = Progress(True)
-    rows = sink.compact(_spark(cfg, prog), path.expanduser())
+    rows = sink.compact(_spark(cfg, prog, "pgcascade sink compact"), path.expanduser())
     for table, n in rows.items():
         print(f"{table}: {n} rows in {path / '_current' / table}")

@@ -35,6 +35,7 @@ from pgcascade.core import catalog, copystream, pgconn
 from pgcascade.core.config import JobConfig
 from pgcascade.core.pgconn import one, scalar
 from pgcascade.pipeline import segments as sg
+from pgcascade.pipeline.session import build_session, cluster_parallelism, is_local, master_of
 from pgcascade.replica import state as states
 from pgcascade.replica import tables as subscriber
 from pgcascade.replica.apply import APPLY_SETTINGS
@@ -170,11 +171,29 @@ def copy_ranges(spark, ctx: CopyContext, ranges: list[RangeTask], streams: int):
     return spark.range(0, n, 1, n).mapInArrow(task, "range_no int, rows long, bytes long")
 
 
-def copy_streams(cfg: JobConfig) -> int:
-    """spark_copy_streams: ranges copied at once.  Default: half the cores of this host, at
-    least one.  A COPY stream keeps about two cores busy (the provider's COPY TO and psql, the
-    subscriber's COPY FROM), and the databases' cores, not Spark's, are what streams share."""
-    return cfg.pipeline.spark_copy_streams or max(1, (os.cpu_count() or 2) // 2)
+def copy_streams(cfg: JobConfig, spark, dsns: list[str]) -> int:
+    """spark_copy_streams: ranges copied at once.  Default: in local mode half the cores of this
+    host (a COPY stream keeps about two cores busy - the provider's COPY TO, the subscriber's
+    COPY FROM - and the databases share this host's cores); on a cluster its cores.  Either way
+    at most half the free connection slots of each database: the application keeps the rest."""
+    if cfg.pipeline.spark_copy_streams:
+        return cfg.pipeline.spark_copy_streams
+    local = is_local(master_of(spark))
+    wanted = max(1, (os.cpu_count() or 2) // 2) if local else cluster_parallelism(spark)
+    return max(1, min(wanted, *(connection_room(dsn) // 2 for dsn in dsns)))
+
+
+def connection_room(dsn: str) -> int:
+    """Connections a database still takes from ordinary roles."""
+    with pgconn.connect(dsn, autocommit=True, connect_timeout=10) as conn:
+        return int(
+            scalar(
+                conn,
+                "select current_setting('max_connections')::int"
+                " - current_setting('superuser_reserved_connections')::int"
+                " - (select count(*) from pg_stat_activity where backend_type = 'client backend')",
+            )
+        )
 
 
 def progress(conn: psycopg.Connection, queue: str, table: str | None = None) -> list[dict]:
@@ -319,14 +338,14 @@ class SparkCopy:
         )
 
     def run_tasks(self, ctx: CopyContext, pending: list[RangeTask]) -> None:
-        from pgcascade.pipeline.session import build_session
-
         spark = build_session(self.proc.cfg, f"pgcascade copy {self.table}")
         stop = threading.Event()
         watcher = threading.Thread(target=self.report_progress, args=(stop,), daemon=True)
         watcher.start()
         try:
-            copy_ranges(spark, ctx, pending, copy_streams(self.proc.cfg)).collect()
+            streams = copy_streams(self.proc.cfg, spark, [ctx.prov_dsn, ctx.sub_dsn])
+            log.info("%s: %d range(s) at once on %s", self.table, streams, master_of(spark))
+            copy_ranges(spark, ctx, pending, streams).collect()
         finally:
             stop.set()
             watcher.join()

@@ -1,0 +1,222 @@
+"""The Spark pipeline on a standalone cluster whose worker is another host.
+
+The fixture starts a Spark master from pip's pyspark here and a worker in a network namespace
+of its own (its own address, a veth link to this host; see pgcascade.dev.sparkcluster).  The
+worker's Python is a venv at another path that cannot import pgcascade: every task that runs
+there runs code the driver shipped.  PostgreSQL listens on this host's address on that link,
+and every DSN names it, as DSNs must on a real cluster.
+
+What a user checks: the tables equal after a Spark copy, compare finds planted differences,
+repair --apply fixes them, compare is clean, the sink's compaction equals the root, and the
+master's page lists each command as an application; a master that grants no executor gives
+a one-line error in bounded time.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import pyarrow.dataset as ds
+import pytest
+from conftest import Daemons, Database, ReplicaSet, table_checksum
+from test_replication import PGBENCH_TABLES, pgbench_init
+
+from pgcascade.dev.localcluster import LocalCluster, wait_until
+from pgcascade.dev.sparkcluster import SparkCluster, can_make_hosts
+
+ACCOUNTS = "public.pgbench_accounts"
+
+
+@pytest.fixture(scope="module")
+def spark_cluster(tmp_path_factory):
+    reason = can_make_hosts()
+    if reason:
+        pytest.fail(f"the cluster tests need network namespaces: {reason}")
+    cluster = SparkCluster(tmp_path_factory.mktemp("spark-cluster"))
+    try:
+        cluster.start(hosts=1)
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture(scope="module")
+def pg(spark_cluster, tmp_path_factory):
+    """One PostgreSQL cluster that the worker host reaches at this host's address on its link."""
+    c = LocalCluster("pg", tmp_path_factory.mktemp("pg"), address=spark_cluster.address)
+    c.init().start()
+    yield c
+    c.destroy()
+
+
+@pytest.fixture
+def cluster_set(spark_cluster, pg, tmp_path, request):
+    """A root and a leaf (two databases of `pg`) whose configs run Spark on the cluster."""
+    name = request.node.name[-20:].lower().strip("_")
+    root, leaf = Database(pg, f"root_{name}"), Database(pg, f"leaf_{name}")
+    pg.create_database(root.name)
+    pg.create_database(leaf.name)
+    daemons = Daemons()
+    r = ReplicaSet(root, leaf, tmp_path, daemons)
+    spark = {
+        "spark_master": spark_cluster.master_url,
+        "spark.pyspark.python": spark_cluster.python,
+        "spark.executor.memory": "1g",
+        "spark_executor_wait": 120,
+    }
+    r.ini("root", root, **spark)
+    r.ini(
+        "leaf",
+        leaf,
+        parallel_copies=1,
+        spark_copy_min_rows=100000,
+        spark_copy_range_rows=40000,
+        compare_segment_rows=50000,
+        **spark,
+    )
+    yield r
+    daemons.close()
+
+
+def app_names(spark_cluster: SparkCluster) -> list[str]:
+    return [a["name"] for a in spark_cluster.applications()]
+
+
+def test_copy_compare_repair_and_compact_run_on_the_other_host(cluster_set, spark_cluster, tmp_path):
+    r = cluster_set
+    pgbench_init(r.root, scale=3)  # 300,000 accounts: a Spark copy of about 8 ranges
+    r.setup(list(PGBENCH_TABLES))
+    r.start_ticker()
+    r.start_worker()
+    r.wait_sync(timeout=300)
+    r.assert_equal(*PGBENCH_TABLES)
+    log = r.log()
+    planned = re.search(r"spark copy planned: (\d+) range", log)
+    assert planned and int(planned.group(1)) >= 5, log[-3000:]
+    # the cluster's cores (one worker of 2), within the databases' connection slots
+    assert f"2 range(s) at once on {spark_cluster.master_url}" in log, log[-3000:]
+    assert f"pgcascade copy {ACCOUNTS}" in app_names(spark_cluster)
+
+    with r.leaf.connect() as conn:
+        conn.execute("set session_replication_role = replica")
+        conn.execute("delete from pgbench_accounts where aid in (7, 150001)")
+        conn.execute("update pgbench_accounts set abalance = -1 where aid in (42, 299999)")
+        conn.execute("insert into pgbench_accounts values (300001, 1, 0, 'extra')")
+    out = r.cli("leaf", "compare", ACCOUNTS, "--no-progress", "--json", check=False, timeout=300)
+    assert out.returncode == 3, out.stdout + out.stderr
+    assert '"missing": 2' in out.stdout and '"different": 2' in out.stdout and '"extra": 1' in out.stdout
+
+    fix = r.cli("leaf", "repair", ACCOUNTS, "--apply", check=False, timeout=300)
+    assert fix.returncode == 0, fix.stdout + fix.stderr
+    assert "applying the fix of 5 differing row(s)" in fix.stderr and "applied: 5 row(s)" in fix.stderr
+    clean = r.cli("leaf", "compare", ACCOUNTS, "--no-progress", check=False, timeout=300)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    assert table_checksum(r.root, ACCOUNTS) == table_checksum(r.leaf, ACCOUNTS)
+
+    lake = tmp_path / "lake"
+    sink_ini = r.ini("lake", r.root, sink_path=lake, **_spark_keys(r))
+    sink = r.daemons.start(str(sink_ini), "sink")
+    wait_until(lambda: (lake / "_sink.json").exists(), 120, what="the sink's initial snapshot")
+    r.daemons.kill(sink)
+    compact = r.cli("lake", "sink", "compact", timeout=300)
+    assert f"{ACCOUNTS}: 300000 rows" in compact.stdout, compact.stdout + compact.stderr
+    current = ds.dataset(str(lake / "_current" / ACCOUNTS), format="parquet").to_table()
+    with r.root.connect() as conn:
+        root_sum = conn.execute("select count(*), sum(aid), sum(abalance) from pgbench_accounts").fetchone()
+    aid, bal = current.column("aid").to_pylist(), current.column("abalance").to_pylist()
+    assert (len(aid), sum(aid), sum(bal)) == root_sum
+
+    names = app_names(spark_cluster)
+    for app in ("pgcascade compare", "pgcascade repair", "pgcascade sink compact"):
+        assert app in names, names
+
+
+def _spark_keys(r: ReplicaSet) -> dict[str, str]:
+    """The spark settings of the leaf's config, for another config of the same set."""
+    keys = {}
+    for line in r.leaf_ini.read_text().splitlines():
+        k, _, v = line.partition(" = ")
+        if k.startswith("spark"):
+            keys[k] = v
+    return keys
+
+
+def test_a_master_that_grants_no_executor_fails_in_one_line(cluster_set, spark_cluster):
+    r = cluster_set
+    with r.root.connect() as conn:
+        conn.execute("create table t (id int primary key)")
+    r.setup(["t"])
+    r.start_ticker()
+    r.start_worker()
+    r.wait_sync()
+    # more memory per executor than the worker has: the master never grants one
+    r.ini(
+        "leaf",
+        r.leaf,
+        spark_master=spark_cluster.master_url,
+        spark_executor_wait=15,
+        # Spark warns of a job with no resources after spark.starvation.timeout (default 15 s)
+        **{"spark.executor.memory": "64g", "spark.starvation.timeout": "3s"},
+    )
+    started = time.monotonic()
+    out = r.cli("leaf", "compare", "t", "--no-progress", check=False, timeout=120)
+    took = time.monotonic() - started
+    assert out.returncode == 1, out.stdout + out.stderr
+    ours = [line for line in out.stderr.splitlines() if line.startswith("pgcascade")]
+    assert len(ours) == 1 and ours[0].startswith("pgcascade: no Spark executor from spark://"), out.stderr
+    assert "Traceback" not in out.stderr
+    assert "Initial job has not accepted any resources" in out.stderr  # Spark's own warning reaches the user
+    assert took < 45, f"gave up after {took:.0f} s"
+
+
+def test_spark_server_on_the_cluster_ships_pgcascade_and_refuses_a_busy_port(
+    cluster_set, spark_cluster, tmp_path
+):
+    r = cluster_set
+    with r.root.connect() as conn:
+        conn.execute("create table t (id int primary key, v text)")
+        conn.execute("insert into t select g, md5(g::text) from generate_series(1, 1000) g")
+    r.setup(["t"])
+    r.start_ticker()
+    r.start_worker()
+    r.wait_sync()
+    port = _free_port()
+    server = {
+        "spark_master": spark_cluster.master_url,
+        "spark.pyspark.python": spark_cluster.python,
+        "spark.executor.memory": "1g",
+        "spark.cores.max": "1",
+        "spark_server_port": port,
+        "spark_server_dir": tmp_path / "server",
+    }
+    srv = r.ini("server", r.leaf, **server)
+    with socket.create_server(("127.0.0.1", port)):
+        busy = r.cli("server", "spark-server", "start", check=False)
+    assert busy.returncode == 1 and f"port {port} is in use by another program" in busy.stderr, busy.stderr
+    try:
+        r.cli("server", "spark-server", "start", timeout=180)
+        r.ini("leaf", r.leaf, spark_remote=f"sc://127.0.0.1:{port}")
+        with r.leaf.connect() as conn:
+            conn.execute("set session_replication_role = replica")
+            conn.execute("update t set v = 'changed' where id = 500")
+        out = r.cli("leaf", "compare", "t", "--no-progress", check=False, timeout=300)
+        assert out.returncode == 3 and "different 1" in out.stdout, out.stdout + out.stderr
+        # the server keeps one core: the other is free for another application
+        state = spark_cluster.state() or {}
+        assert state.get("coresused") == 1, state
+    finally:
+        subprocess.run([*_cli(srv), "spark-server", "stop"], capture_output=True, timeout=120)
+
+
+def _cli(ini) -> list[str]:
+    return [sys.executable, "-m", "pgcascade", str(ini)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
