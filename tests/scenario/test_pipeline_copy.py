@@ -92,11 +92,12 @@ def test_spark_copy_killed_halfway_resumes_with_the_ranges_not_done(replica):
 
     # the snapshot that satisfied the wait: a second look may fall between two ranges
     c = wait_until(range_in_flight, 30, interval=0.2, what="a range in flight with rows in status --json")
-    assert c["method"] == "spark" and c["step"] == "copying" and c["rows_total"] == 2_000_000, c
+    # rows_total is PostgreSQL's estimate (reltuples, from a sample): near 2,000,000, not exact
+    assert c["method"] == "spark" and c["step"] == "copying" and abs(c["rows_total"] - 2_000_000) < 40_000, c
     assert c["ranges"] >= 10 and c["ranges_done"] < c["ranges"] and 0 < c["percent"] < 100, c
     assert c["eta"] is not None and c["eta"] > 0 and c["rows_per_s"] > 0, c
     for f in c["ranges_in_flight"]:
-        assert f["rows_total"] == 2_000_000 // c["ranges"] and f["rows"] <= f["rows_total"] * 1.5, f
+        assert f["rows_total"] == c["rows_total"] // c["ranges"] and f["rows"] <= f["rows_total"] * 1.5, f
     with r.leaf.connect() as conn:
         copy_pid = conn.execute(
             "select copy_pid from pgcascade.subscriber_table where table_name = %s", (ACCOUNTS,)

@@ -118,7 +118,7 @@ def test_copy_compare_repair_and_compact_run_on_the_other_host(cluster_set, spar
     assert table_checksum(r.root, ACCOUNTS) == table_checksum(r.leaf, ACCOUNTS)
 
     lake = tmp_path / "lake"
-    sink_ini = r.ini("lake", r.root, sink_path=lake, **_spark_keys(r))
+    sink_ini = r.ini("lake", r.root, sink_path=f"file://{lake}", **_spark_keys(r))  # a URI, as for s3a://
     sink = r.daemons.start(str(sink_ini), "sink")
     wait_until(lambda: (lake / "_sink.json").exists(), 120, what="the sink's initial snapshot")
     r.daemons.kill(sink)

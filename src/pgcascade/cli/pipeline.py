@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from pathlib import Path
 
 import click
 
@@ -65,7 +64,7 @@ def spark_server(ctx: Context, action: str) -> None:
 def sink(ctx: Context, action: str | None, path: str | None, detach: bool, ctl: str | None) -> None:
     """Write every batch's row changes as Parquet under --path; `sink compact`: current state."""
     if path:
-        pipeline = dataclasses.replace(ctx.cfg.pipeline, sink_path=Path(path).expanduser())
+        pipeline = dataclasses.replace(ctx.cfg.pipeline, sink_path=path)
         ctx.cfg = ctx.cfg.with_changes(pipeline=pipeline)
     if action == "compact":
         commands.compact(ctx.cfg)

@@ -112,7 +112,9 @@ class PipelineSettings:
     sync_timeout: float = setting(
         10.0, "seconds the provider's tables may stay locked for a sync point", minimum=0.1
     )
-    sink_path: Path | None = setting(None, "the lake directory of the sink")
+    sink_path: str | None = setting(
+        None, "the lake directory of the sink: a path, or a URI (file://, s3a://, hdfs://, gs://)"
+    )
     sink_consumer: str = setting("", "the sink's consumer name (default: job_name)")
 
 

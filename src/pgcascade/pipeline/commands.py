@@ -98,6 +98,6 @@ def compact(cfg: JobConfig) -> None:
     if not path:
         raise UserError("sink compact needs --path DIR (or sink_path in the config)")
     prog = Progress(True)
-    rows = sink.compact(_spark(cfg, prog, "pgcascade sink compact"), path.expanduser())
+    rows = sink.compact(_spark(cfg, prog, "pgcascade sink compact"), path)
     for table, n in rows.items():
-        print(f"{table}: {n} rows in {path / '_current' / table}")
+        print(f"{table}: {n} rows in {path.rstrip('/')}/_current/{table}")

@@ -6,6 +6,9 @@ Layout under the sink's path (readable by Spark, DuckDB, pyarrow as a partitione
     DIR/<schema.table>/tick_id=<T>/part-0.parquet   changes of batch T (or the initial snapshot)
     DIR/_current/<schema.table>/          `sink compact`: each table's current state
 
+DIR is a local path or a URI (file://, s3a://, hdfs://, gs://): the sink daemon writes through
+pyarrow's filesystem layer, compaction through it and Spark's (see Lake).
+
 Columns: op (S snapshot, I, U, D), tick_id, ev_id, txid, ev_time (the writing transaction's
 now()), commit_time (pg_xact_commit_timestamp when track_commit_timestamp is on, else null),
 then the table's columns, typed (PostgreSQL parses the event's row image with
@@ -15,6 +18,8 @@ Exactly once, across crashes: a batch is written table by table, each into a hid
 `_tmp.tick_id=T` directory renamed into place (atomic), and only then finished on the queue.
 A batch that comes back after a crash has the same tick and the same events: tables already
 in place are skipped, the others written.  A leftover hidden directory is removed first.
+(On an object store the rename is a copy and a delete: a crash between them leaves both,
+and the next attempt removes the staged copy, so the result is still written once.)
 
 The first start registers the consumer, then writes each table's rows (op S, tick_id = the
 registration tick) under a snapshot taken after it: an event after the registration tick that
@@ -27,7 +32,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 
 import psycopg
@@ -82,28 +86,76 @@ def needs_text(arrow) -> bool:
 
 
 class Lake:
-    """The sink's directory."""
+    """The sink's directory, on any filesystem pyarrow's layer reaches: a local path, file://,
+    s3:// (s3a:// as Spark names it), hdfs://, gs://.  Every file operation of the sink and of
+    its compaction goes through it; Spark reads and writes the data at `uri(...)`."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, location: str):
+        from pyarrow import fs
+
+        if "://" in location:
+            self.base_uri = location.replace("s3://", "s3a://", 1).rstrip("/")
+            self.fs, self.root = fs.FileSystem.from_uri(location.replace("s3a://", "s3://", 1))
+        else:  # a local path: explicit file:// for Spark, whose default filesystem may be HDFS
+            self.root = str(Path(location).expanduser().absolute())
+            self.base_uri = "file://" + self.root
+            self.fs = fs.LocalFileSystem()
+        self.root = self.root.rstrip("/")
+        self.local = isinstance(self.fs, fs.LocalFileSystem)
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def uri(self, *parts: str) -> str:
+        return "/".join([self.base_uri, *parts])
+
+    def exists(self, path: str) -> bool:
+        from pyarrow import fs
+
+        return self.fs.get_file_info(path).type != fs.FileType.NotFound
+
+    def remove_dir(self, path: str) -> None:
+        if self.exists(path):
+            self.fs.delete_dir(path)
+
+    def make_dir(self, path: str) -> None:
+        self.fs.create_dir(path, recursive=True)
+
+    def move(self, src: str, dest: str) -> None:
+        """A rename: atomic on a local filesystem and HDFS; on object stores a copy, then a delete."""
+        self.fs.move(src, dest)
 
     def meta(self) -> dict | None:
-        p = self.path / META
-        return json.loads(p.read_text()) if p.exists() else None
+        p = self.path(META)
+        if not self.exists(p):
+            return None
+        with self.fs.open_input_stream(p) as f:
+            return json.loads(f.read().decode())
 
     def save_meta(self, meta: dict) -> None:
-        tmp = self.path / f".{META}.tmp"
-        tmp.write_text(json.dumps(meta, indent=1))
-        os.replace(tmp, self.path / META)
+        tmp = self.path(f".{META}.tmp")
+        with self.fs.open_output_stream(tmp) as f:
+            f.write(json.dumps(meta, indent=1).encode())
+        self.move(tmp, self.path(META))
 
-    def table_dir(self, table: str) -> Path:
-        return self.path / table
+    def sync(self, path: str) -> None:
+        """On a local filesystem: the file is on disk before its directory is renamed into place
+        (remote stores make a file durable when its upload completes)."""
+        if self.local:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
-    def final(self, table: str, tick: int) -> Path:
-        return self.table_dir(table) / f"tick_id={tick}"
+    def table_dir(self, table: str) -> str:
+        return self.path(table)
 
-    def staging(self, table: str, tick: int) -> Path:
-        return self.table_dir(table) / f"_tmp.tick_id={tick}"
+    def final(self, table: str, tick: int) -> str:
+        return self.path(table, f"tick_id={tick}")
+
+    def staging(self, table: str, tick: int) -> str:
+        return self.path(table, f"_tmp.tick_id={tick}")
 
 
 class TableWriter:
@@ -129,11 +181,13 @@ class TableWriter:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        stage = self.lake.staging(self.table, self.tick)
-        shutil.rmtree(stage, ignore_errors=True)
-        stage.mkdir(parents=True)
+        lake = self.lake
+        stage = lake.staging(self.table, self.tick)
+        lake.remove_dir(stage)
+        lake.make_dir(stage)
+        part = f"{stage}/part-0.parquet"
         n = 0
-        with pq.ParquetWriter(stage / "part-0.parquet", self.schema) as w:
+        with pq.ParquetWriter(part, self.schema, filesystem=lake.fs) as w:
             while rows := cursor.fetchmany(CHUNK_ROWS):
                 cols = list(zip(*rows, strict=True))
                 w.write_batch(
@@ -143,12 +197,8 @@ class TableWriter:
                     )
                 )
                 n += len(rows)
-        fd = os.open(stage / "part-0.parquet", os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(stage, self.lake.final(self.table, self.tick))
+        lake.sync(part)
+        lake.move(stage, lake.final(self.table, self.tick))
         return n
 
 
@@ -178,8 +228,8 @@ class Sink(Daemon):
         path = cfg.pipeline.sink_path
         if not path:
             raise UserError("sink needs --path DIR (or sink_path in the config)")
-        self.lake = Lake(path.expanduser())
-        self.lake.path.mkdir(parents=True, exist_ok=True)
+        self.lake = Lake(path)
+        self.lake.make_dir(self.lake.root)
         self.db: str = cfg.db
         self.queue: str = cfg.queue_name
         self.consumer = cfg.pipeline.sink_consumer or cfg.job_name
@@ -233,7 +283,7 @@ class Sink(Daemon):
             snap.read_only = True
             snap.execute("set local timezone = 'UTC'")
             for name, t in tables.items():
-                shutil.rmtree(self.lake.final(name, reg), ignore_errors=True)
+                self.lake.remove_dir(self.lake.final(name, reg))
                 query = sql.SQL(
                     "select 'S', %s::int8, 0::int8, null::int8, null::timestamptz, null::timestamptz, {} from only {} s"
                 ).format(select_list(t["columns"], "s"), sql.SQL(name))
@@ -268,7 +318,7 @@ class Sink(Daemon):
             if name not in meta["tables"]:  # added to the set after the sink started
                 meta["tables"][name] = self.tables(conn)[name]
                 self.lake.save_meta(meta)
-            if self.lake.final(name, tick).exists():
+            if self.lake.exists(self.lake.final(name, tick)):
                 continue  # written before a crash: exactly once
             cols = meta["tables"][name]["columns"]
             query = sql.SQL(
@@ -297,24 +347,24 @@ def current_state(changes, keys: list[str]):
     return latest.filter(F.col("op") != "D").drop("_n", *META_COLUMNS)
 
 
-def compact(spark, path: Path) -> dict[str, int]:
+def compact(spark, location: str) -> dict[str, int]:
     """Write DIR/_current/<table> for every table of the lake; returns rows per table."""
-    lake = Lake(path)
+    lake = Lake(location)
     meta = lake.meta()
     if meta is None:
-        raise UserError(f"{path} is not a pgcascade sink directory (no {META})")
+        raise UserError(f"{location} is not a pgcascade sink directory (no {META})")
     out = {}
     for name, t in meta["tables"].items():
-        if not lake.table_dir(name).exists():
+        if not lake.exists(lake.table_dir(name)):
             continue
-        # recursive: the tick_id=T directories are not partitions (tick_id is a column already)
-        changes = spark.read.option("recursiveFileLookup", "true").parquet(str(lake.table_dir(name)))
+        # recursive: the tick_id=T directories are not partitions (tick_id is a column already);
+        # Spark skips the _tmp. staging directories (a leading underscore)
+        changes = spark.read.option("recursiveFileLookup", "true").parquet(lake.uri(name))
         state = current_state(changes, t["keys"])
-        target = lake.path / "_current" / name
-        tmp = lake.path / "_current" / f"_tmp.{name}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        state.write.mode("overwrite").parquet(str(tmp))
-        shutil.rmtree(target, ignore_errors=True)
-        os.rename(tmp, target)
-        out[name] = spark.read.parquet(str(target)).count()
+        tmp = f"_tmp.{name}"
+        lake.remove_dir(lake.path("_current", tmp))
+        state.write.mode("overwrite").parquet(lake.uri("_current", tmp))
+        lake.remove_dir(lake.path("_current", name))
+        lake.move(lake.path("_current", tmp), lake.path("_current", name))
+        out[name] = spark.read.parquet(lake.uri("_current", name)).count()
     return out
