@@ -12,7 +12,8 @@ python_only=false
 [ "${1:-}" = "--python-only" ] && python_only=true
 
 # chromium: the live page's browser tests (Playwright drives Debian's build; it downloads none)
-DEB_PACKAGES=(postgresql-15 postgresql-client-15 openjdk-17-jre-headless libpostgresql-jdbc-java chromium python3-venv)
+# iproute2: the Spark cluster tests' second host (a network namespace and a veth pair)
+DEB_PACKAGES=(postgresql-15 postgresql-client-15 openjdk-17-jre-headless libpostgresql-jdbc-java chromium python3-venv iproute2)
 
 missing=()
 $python_only && DEB_PACKAGES=(python3-venv)
