@@ -94,6 +94,11 @@ class NetHost:
             self.made = False
 
 
+def without_pythonpath() -> dict[str, str]:
+    """This environment minus PYTHONPATH: a worker host does not see this checkout's sources."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
 def make_worker_venv(path: Path) -> Path:
     """A venv at `path` that imports this interpreter's third-party libraries, not pgcascade.
 
@@ -109,7 +114,9 @@ def make_worker_venv(path: Path) -> Path:
     )
     (site / "base.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     python = path / "bin" / "python"
-    probe = subprocess.run([str(python), "-c", "import pgcascade"], capture_output=True, text=True)
+    probe = subprocess.run(
+        [str(python), "-c", "import pgcascade"], capture_output=True, text=True, env=without_pythonpath()
+    )
     if probe.returncode == 0:
         raise RuntimeError(f"{python} imports pgcascade: the worker venv must not")
     return python
@@ -138,7 +145,7 @@ class SparkCluster:
 
     def _env(self, local_ip: str) -> dict[str, str]:
         return {
-            **os.environ,
+            **without_pythonpath(),
             "SPARK_HOME": str(spark_home()),
             "SPARK_LOCAL_IP": local_ip,
             "SPARK_LOG_DIR": str(self.workdir),
