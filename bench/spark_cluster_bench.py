@@ -56,7 +56,7 @@ def write_ini(work: Path, name: str, db: str, **keys: object) -> Path:
     return path
 
 
-def copy_time(ini: Path, db: str, work: Path) -> float:
+def copy_time(ini: Path, db: str) -> float:
     """add-table with the worker running, until the table is ok."""
     started = time.perf_counter()
     worker = subprocess.Popen(
@@ -128,7 +128,7 @@ def main() -> int:
         figures = {}
         for leaf in ("local", "cluster"):
             cli(inis[leaf], "create-leaf", leaf, "--provider", dbs["root"])
-            figures[(leaf, "copy")] = copy_time(inis[leaf], dbs[leaf], work)
+            figures[(leaf, "copy")] = copy_time(inis[leaf], dbs[leaf])
             worker = subprocess.Popen(
                 [sys.executable, "-m", "pgcascade", str(inis[leaf]), "worker"],
                 stdout=subprocess.DEVNULL,

@@ -62,12 +62,7 @@ def cluster_set(spark_cluster, pg, tmp_path, request):
     pg.create_database(leaf.name)
     daemons = Daemons()
     r = ReplicaSet(root, leaf, tmp_path, daemons)
-    spark = {
-        "spark_master": spark_cluster.master_url,
-        "spark.pyspark.python": spark_cluster.python,
-        "spark.executor.memory": "1g",
-        "spark_executor_wait": 120,
-    }
+    spark = spark_keys(spark_cluster)
     r.ini("root", root, **spark)
     r.ini(
         "leaf",
@@ -80,6 +75,16 @@ def cluster_set(spark_cluster, pg, tmp_path, request):
     )
     yield r
     daemons.close()
+
+
+def spark_keys(spark_cluster: SparkCluster) -> dict[str, object]:
+    """What a config needs to run Spark on the cluster."""
+    return {
+        "spark_master": spark_cluster.master_url,
+        "spark.pyspark.python": spark_cluster.python,
+        "spark.executor.memory": "1g",
+        "spark_executor_wait": 120,
+    }
 
 
 def app_names(spark_cluster: SparkCluster) -> list[str]:
@@ -118,7 +123,9 @@ def test_copy_compare_repair_and_compact_run_on_the_other_host(cluster_set, spar
     assert table_checksum(r.root, ACCOUNTS) == table_checksum(r.leaf, ACCOUNTS)
 
     lake = tmp_path / "lake"
-    sink_ini = r.ini("lake", r.root, sink_path=f"file://{lake}", **_spark_keys(r))  # a URI, as for s3a://
+    sink_ini = r.ini(
+        "lake", r.root, sink_path=f"file://{lake}", **spark_keys(spark_cluster)
+    )  # a URI, as for s3a://
     sink = r.daemons.start(str(sink_ini), "sink")
     wait_until(lambda: (lake / "_sink.json").exists(), 120, what="the sink's initial snapshot")
     r.daemons.kill(sink)
@@ -133,16 +140,6 @@ def test_copy_compare_repair_and_compact_run_on_the_other_host(cluster_set, spar
     names = app_names(spark_cluster)
     for app in ("pgcascade compare", "pgcascade repair", "pgcascade sink compact"):
         assert app in names, names
-
-
-def _spark_keys(r: ReplicaSet) -> dict[str, str]:
-    """The spark settings of the leaf's config, for another config of the same set."""
-    keys = {}
-    for line in r.leaf_ini.read_text().splitlines():
-        k, _, v = line.partition(" = ")
-        if k.startswith("spark"):
-            keys[k] = v
-    return keys
 
 
 def test_a_master_that_grants_no_executor_fails_in_one_line(cluster_set, spark_cluster):

@@ -26,12 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pgcascade.dev.localcluster import free_port, wait_until
-
-
-def spark_home() -> Path:
-    import pyspark
-
-    return Path(pyspark.__file__).parent
+from pgcascade.pipeline.connect import spark_home
 
 
 def can_make_hosts() -> str | None:
@@ -103,8 +98,8 @@ def make_worker_venv(path: Path) -> Path:
     """A venv at `path` that imports this interpreter's third-party libraries, not pgcascade.
 
     The .pth line puts our site-packages on its path without running that directory's own .pth
-    files, so pgcascade's editable-install hook is not loaded; a regular install is hidden by
-    a stub that refuses the import."""
+    files, so pgcascade's editable install is not on it; with any other install (or PYTHONPATH
+    pointing at the sources) the probe below refuses to go on."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
     site = Path(
         subprocess.check_output(

@@ -41,17 +41,23 @@ def port(cfg: JobConfig) -> int:
     return cfg.pipeline.spark_server_port
 
 
-def environment(cfg: JobConfig) -> tuple[dict[str, str], dict[str, str]]:
-    """(the server's environment, its spark.driver.* settings)."""
+def spark_home() -> Path:
+    """pip's pyspark is a whole Spark: its bin/ and sbin/ scripts run the server (and the tests'
+    standalone master and workers)."""
     import pyspark
 
+    return Path(pyspark.__file__).parent
+
+
+def environment(cfg: JobConfig) -> tuple[dict[str, str], dict[str, str]]:
+    """(the server's environment, its spark.driver.* settings)."""
     d = server_dir(cfg)
     (d / "log4j2.properties").write_text(LOG4J)
     driver_env, driver_conf = driver_environment(cfg.pipeline.spark_master, spark_settings(cfg))
     env = {
         **os.environ,
         **driver_env,
-        "SPARK_HOME": str(Path(pyspark.__file__).parent),
+        "SPARK_HOME": str(spark_home()),
         "SPARK_PID_DIR": str(d),
         "SPARK_LOG_DIR": str(d),
         "SPARK_CONF_DIR": str(d),

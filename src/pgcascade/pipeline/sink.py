@@ -18,8 +18,7 @@ Exactly once, across crashes: a batch is written table by table, each into a hid
 `_tmp.tick_id=T` directory renamed into place (atomic), and only then finished on the queue.
 A batch that comes back after a crash has the same tick and the same events: tables already
 in place are skipped, the others written.  A leftover hidden directory is removed first.
-(On an object store the rename is a copy and a delete: a crash between them leaves both,
-and the next attempt removes the staged copy, so the result is still written once.)
+(On an object store a rename is what pyarrow's filesystem makes of it, not atomic: untested.)
 
 The first start registers the consumer, then writes each table's rows (op S, tick_id = the
 registration tick) under a snapshot taken after it: an event after the registration tick that
@@ -122,7 +121,7 @@ class Lake:
         self.fs.create_dir(path, recursive=True)
 
     def move(self, src: str, dest: str) -> None:
-        """A rename: atomic on a local filesystem and HDFS; on object stores a copy, then a delete."""
+        """A rename: atomic on a local filesystem and HDFS; on object stores pyarrow's own emulation."""
         self.fs.move(src, dest)
 
     def meta(self) -> dict | None:

@@ -51,6 +51,28 @@ language sql stable as $$
      order by q.queue_name, c.co_name
 $$;
 
+-- pgcascade.tick_horizon(queue, tick) -> what a consumer at that tick has not seen yet: the
+-- transactions from the tick snapshot's xmax on, and those in progress at the tick (xip).
+-- Readers scan the queue's events in two index range scans on ev_txid, as a batch does.
+create or replace function pgcascade.tick_horizon(
+    i_queue_name text, i_tick int8, out queue_id int4, out xmax int8, out xip int8[])
+language plpgsql stable as $$
+declare
+    snap pg_snapshot;
+begin
+    select q.queue_id into tick_horizon.queue_id from pgcascade.queue q where q.queue_name = i_queue_name;
+    if not found then
+        raise exception 'queue "%" does not exist', i_queue_name using errcode = 'P0002';
+    end if;
+    select tick_snapshot into snap from pgcascade.tick
+     where tick_queue = tick_horizon.queue_id and tick_id = i_tick;
+    if not found then
+        raise exception 'tick % of queue "%" no longer exists', i_tick, i_queue_name using errcode = 'P0002';
+    end if;
+    xmax := pg_snapshot_xmax(snap)::text::int8;
+    select coalesce(array_agg(x::text::int8), '{}') into xip from pg_snapshot_xip(snap) x;
+end $$;
+
 -- pgcascade.pending_event_count(queue, after_tick, snapshot, types) -> the events of these types
 -- committed after the tick (not visible in its snapshot) and visible in `snapshot`: what a
 -- consumer at that tick has still to apply of what a transaction with that snapshot sees.
@@ -60,29 +82,16 @@ create or replace function pgcascade.pending_event_count(
 returns int8
 language plpgsql stable as $$
 declare
-    qid int4;
-    snap pg_snapshot;
-    xip int8[];
+    h record;
     n int8;
 begin
-    select queue_id into qid from pgcascade.queue where queue_name = i_queue_name;
-    if not found then
-        raise exception 'queue "%" does not exist', i_queue_name using errcode = 'P0002';
-    end if;
-    select tick_snapshot into snap from pgcascade.tick where tick_queue = qid and tick_id = i_after_tick;
-    if not found then
-        raise exception 'tick % of queue "%" no longer exists', i_after_tick, i_queue_name using errcode = 'P0002';
-    end if;
-    select coalesce(array_agg(x::text::int8), '{}') into xip from pg_snapshot_xip(snap) x;
-    -- the two index range scans on ev_txid of a batch (see pending_by_table)
+    select * into h from pgcascade.tick_horizon(i_queue_name, i_after_tick);
     select count(*) into n
       from (select ev_txid, ev_type from pgcascade.event
-             where ev_part >= qid * 16 and ev_part < qid * 16 + 16
-               and ev_txid >= pg_snapshot_xmax(snap)::text::int8
+             where ev_part >= h.queue_id * 16 and ev_part < h.queue_id * 16 + 16 and ev_txid >= h.xmax
             union all
             select ev_txid, ev_type from pgcascade.event
-             where ev_part >= qid * 16 and ev_part < qid * 16 + 16
-               and ev_txid = any(xip)) e
+             where ev_part >= h.queue_id * 16 and ev_part < h.queue_id * 16 + 16 and ev_txid = any(h.xip)) e
      where e.ev_type = any(i_types)
        and pg_visible_in_snapshot(e.ev_txid::text::xid8, i_snapshot);
     return n;

@@ -38,29 +38,19 @@ create or replace function pgcascade.pending_by_table(
 returns setof record
 language plpgsql stable as $$
 declare
-    qid int4;
-    snap pg_snapshot;
-    xip int8[];
+    h record;
 begin
-    select queue_id into qid from pgcascade.queue where queue_name = i_queue_name;
-    if not found then
-        raise exception 'queue "%" does not exist', i_queue_name using errcode = 'P0002';
-    end if;
-    select tick_snapshot into snap from pgcascade.tick where tick_queue = qid and tick_id = i_after_tick;
-    if not found then
-        raise exception 'tick % of queue "%" no longer exists', i_after_tick, i_queue_name using errcode = 'P0002';
-    end if;
-    select coalesce(array_agg(x::text::int8), '{}') into xip from pg_snapshot_xip(snap) x;
+    select * into h from pgcascade.tick_horizon(i_queue_name, i_after_tick);
     return query
         select e.ev_extra1, count(*)::int8, min(e.ev_time)
           from (select ev_extra1, ev_time from pgcascade.event
-                 where ev_part >= qid * 16 and ev_part < qid * 16 + 16
-                   and ev_txid >= pg_snapshot_xmax(snap)::text::int8
+                 where ev_part >= h.queue_id * 16 and ev_part < h.queue_id * 16 + 16
+                   and ev_txid >= h.xmax
                    and ev_type in ('I', 'U', 'D', 'R') and ev_extra1 is not null
                 union all
                 select ev_extra1, ev_time from pgcascade.event
-                 where ev_part >= qid * 16 and ev_part < qid * 16 + 16
-                   and ev_txid = any(xip)
+                 where ev_part >= h.queue_id * 16 and ev_part < h.queue_id * 16 + 16
+                   and ev_txid = any(h.xip)
                    and ev_type in ('I', 'U', 'D', 'R') and ev_extra1 is not null) e
          group by e.ev_extra1;
 end $$;
