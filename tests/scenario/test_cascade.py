@@ -541,12 +541,14 @@ def test_stalled_leaf_holds_rotation_until_dropped(cascade, make_db):
 
 def test_commands_wait_for_the_work_they_depend_on(cascade, make_db):
     """Seed 004's rule: add-table on a leaf under a branch waits until a table just added on the
-    root reaches the branch (--no-wait refuses); wait-provider and wait-root wait on purpose."""
+    root reaches the branch (--no-wait refuses), and add-seq likewise (Londiste 3's usual
+    sequence of commands); wait-provider and wait-root wait on purpose."""
     c = cascade
     for name, cl in (("s1", "a"), ("s2", "b"), ("l", "a")):
         c.node(name, make_db(cl))
         with c.dbs[name].connect() as conn:
             conn.execute('create table "New Table" (id int primary key, v text)')
+            conn.execute('create sequence "New Seq"')
     c.create("s1", "root")
     c.create("s2", "branch", "s1")
     c.create("l", "leaf", "s2")
@@ -559,12 +561,22 @@ def test_commands_wait_for_the_work_they_depend_on(cascade, make_db):
     waiting = c.daemons.start(str(c.ini("l")), "add-table", '"New Table"', "--timeout", "60")
     time.sleep(1.5)
     assert waiting.poll() is None, waiting.output()
+    c.cli("s1", "add-seq", '"New Seq"')
+    c.cli("s2", "add-seq", '"New Seq"')
+    r = c.cli("l", "add-seq", '"New Seq"', "--no-wait", check=False)
+    assert r.returncode == 2 and "not replicated by the provider" in r.stderr, r.stderr
+    waiting_seq = c.daemons.start(str(c.ini("l")), "add-seq", '"New Seq"', "--timeout", "60")
+    time.sleep(1.5)
+    assert waiting.poll() is None, waiting.output()
+    assert waiting_seq.poll() is None, waiting_seq.output()
     c.cli("s1", "resume", "s2")
     assert waiting.wait(timeout=60) == 0, waiting.output()
+    assert waiting_seq.wait(timeout=60) == 0, waiting_seq.output()
     with c.dbs["s1"].connect() as conn:
         conn.execute(
             """insert into "New Table" select g, repeat('x', g % 7) from generate_series(1, 500) g"""
         )
+        conn.execute("""select setval('"New Seq"', 4242)""")
     r = c.cli("l", "wait-root", "--timeout", "60")
     assert "applied the root's tick" in r.stdout
     c.cli("l", "wait-provider", "--timeout", "60")
@@ -573,6 +585,7 @@ def test_commands_wait_for_the_work_they_depend_on(cascade, make_db):
     c.sync("s1", ["l"])
     c.assert_equal("s1", "l", ('"New Table"',))
     assert c.scalar("l", 'select count(*) from "New Table"') == 500
+    wait_until(lambda: c.scalar("l", 'select last_value from "New Seq"') >= 4242, 60, what="the sequence")
 
 
 PART_DDL = (

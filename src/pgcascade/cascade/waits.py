@@ -6,7 +6,7 @@ what is outstanding every REPORT_EVERY seconds and gives up with a one-line erro
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import psycopg
 
@@ -110,20 +110,41 @@ def wait_provider_has_tables(
 ) -> None:
     """Tables just added on the root reach a branch's table list with the queue: wait for them
     there, if the root has them."""
+    _wait_provider_lists(conn, prov, queue, names, say, timeout, "tables", set_tables.set_tables)
+
+
+def wait_provider_has_seqs(
+    conn: psycopg.Connection, prov: psycopg.Connection, queue: str, names: list[str], say: Say, timeout: float
+) -> None:
+    """Sequences just added on the root: as tables (Londiste 3 runs add-seq on a branch right
+    after the root)."""
+    _wait_provider_lists(conn, prov, queue, names, say, timeout, "sequences", set_tables.set_seqs)
+
+
+def _wait_provider_lists(
+    conn: psycopg.Connection,
+    prov: psycopg.Connection,
+    queue: str,
+    names: list[str],
+    say: Say,
+    timeout: float,
+    kind: str,
+    listed: Callable[[psycopg.Connection, str], Collection[str]],
+) -> None:
     wanted = [catalog.canonical(prov, n) for n in names]
-    if all(t in set_tables.set_tables(prov, queue) for t in wanted):
+    if all(t in listed(prov, queue) for t in wanted):
         return
     try:
         _, loc = find_root(conn, queue)
         with connect(loc) as root:
-            at_root = set(set_tables.set_tables(root, queue))
+            at_root = set(listed(root, queue))
     except (psycopg.OperationalError, RuntimeFailure):
         return
     if not all(t in at_root for t in wanted):
-        return  # not on the root either: add_tables says so
+        return  # not on the root either: the add says so
 
     def outstanding() -> str | None:
-        lacking = [t for t in wanted if t not in set_tables.set_tables(prov, queue)]
+        lacking = [t for t in wanted if t not in listed(prov, queue)]
         return f"the provider does not list {', '.join(lacking)} yet" if lacking else None
 
-    wait_for("the tables added on the root to reach the provider", outstanding, timeout, say)
+    wait_for(f"the {kind} added on the root to reach the provider", outstanding, timeout, say)

@@ -127,17 +127,22 @@ def resync(ctx: Context, tables: tuple[str, ...]) -> None:
 @click.command("add-seq")
 @click.argument("seqs", nargs=-1)
 @click.option("--all", "all_seqs", is_flag=True, help="Every sequence.")
+@click.option("--no-wait", is_flag=True, help="Subscriber: do not wait for sequences just added on the root.")
+@click.option("--timeout", default=600.0, show_default=True, help="Subscriber: seconds to wait for them.")
 @pass_ctx
-def add_seq(ctx: Context, seqs: tuple[str, ...], all_seqs: bool) -> None:
+def add_seq(ctx: Context, seqs: tuple[str, ...], all_seqs: bool, no_wait: bool, timeout: float) -> None:
     """Replicate sequences: their values follow the root."""
     if not seqs and not all_seqs:
         raise UserError("add-seq needs sequence names (or --all)")
+    queue = ctx.queue()
     with ctx.this_node() as (conn, node):
         if node.role.captures_changes:
-            added = set_tables.add_seqs(conn, ctx.queue(), list(seqs), all_seqs)
+            added = set_tables.add_seqs(conn, queue, list(seqs), all_seqs)
         else:
             with ctx.provider(conn, node) as prov:
-                added = subscriber.add_seqs(conn, prov, ctx.queue(), list(seqs), all_seqs)
+                if not no_wait and seqs:
+                    waits.wait_provider_has_seqs(conn, prov, queue, list(seqs), say, timeout)
+                added = subscriber.add_seqs(conn, prov, queue, list(seqs), all_seqs)
     echo_each("added", added)
 
 
