@@ -7,7 +7,8 @@ without one.  Each change of the table list also goes into the queue as a `T` ev
 table-list event), so subscribers see tables leave the set in order.
 
 This module is the only one that reads or writes `set_table` and `set_seq`: the set's tables
-as the root captures them, and as every branch keeps them (it may become the root).
+as the root captures them, and as every branch keeps them (it may become the root); the
+sequences whose values the node passes on (the root's, a branch's it follows itself).
 """
 
 from __future__ import annotations
@@ -225,6 +226,14 @@ def follow_seqs(conn: psycopg.Connection, queue: str, names: list[str]) -> None:
             "insert into pgcascade.set_seq (queue_name, seq_name) values (%s, %s) on conflict do nothing",
             (queue, name),
         )
+
+
+def unfollow_seqs(conn: psycopg.Connection, queue: str, names: list[str]) -> None:
+    """A branch stops passing these sequences on (remove-seq there)."""
+    conn.execute(
+        "delete from pgcascade.set_seq where queue_name = %s and seq_name = any(%s)",
+        (queue, [catalog.canonical(conn, n) for n in names]),
+    )
 
 
 def set_seqs(conn: psycopg.Connection, queue: str) -> list[str]:

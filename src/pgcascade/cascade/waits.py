@@ -116,8 +116,9 @@ def wait_provider_has_tables(
 def wait_provider_has_seqs(
     conn: psycopg.Connection, prov: psycopg.Connection, queue: str, names: list[str], say: Say, timeout: float
 ) -> None:
-    """Sequences just added on the root: as tables (Londiste 3 runs add-seq on a branch right
-    after the root)."""
+    """Sequences the root has: wait until the provider passes them on (a branch lists those it
+    follows itself, once add-seq has run there; Londiste 3 users run the commands node after
+    node without waiting in between)."""
     _wait_provider_lists(conn, prov, queue, names, say, timeout, "sequences", set_tables.set_seqs)
 
 

@@ -127,7 +127,9 @@ def resync(ctx: Context, tables: tuple[str, ...]) -> None:
 @click.command("add-seq")
 @click.argument("seqs", nargs=-1)
 @click.option("--all", "all_seqs", is_flag=True, help="Every sequence.")
-@click.option("--no-wait", is_flag=True, help="Subscriber: do not wait for sequences just added on the root.")
+@click.option(
+    "--no-wait", is_flag=True, help="Subscriber: do not wait for the provider to pass the sequences on."
+)
 @click.option("--timeout", default=600.0, show_default=True, help="Subscriber: seconds to wait for them.")
 @pass_ctx
 def add_seq(ctx: Context, seqs: tuple[str, ...], all_seqs: bool, no_wait: bool, timeout: float) -> None:
@@ -142,7 +144,10 @@ def add_seq(ctx: Context, seqs: tuple[str, ...], all_seqs: bool, no_wait: bool, 
             with ctx.provider(conn, node) as prov:
                 if not no_wait and seqs:
                     waits.wait_provider_has_seqs(conn, prov, queue, list(seqs), say, timeout)
-                added = subscriber.add_seqs(conn, prov, queue, list(seqs), all_seqs)
+                with conn.transaction():
+                    added = subscriber.add_seqs(conn, prov, queue, list(seqs), all_seqs)
+                    if node.role.copies_events:  # a branch passes their values on to its subscribers
+                        set_tables.follow_seqs(conn, queue, added)
     echo_each("added", added)
 
 
@@ -151,9 +156,11 @@ def add_seq(ctx: Context, seqs: tuple[str, ...], all_seqs: bool, no_wait: bool, 
 @pass_ctx
 def remove_seq(ctx: Context, seqs: tuple[str, ...]) -> None:
     """Stop replicating sequences."""
-    with ctx.this_node() as (conn, node):
+    with ctx.this_node() as (conn, node), conn.transaction():
         owner = set_tables if node.role.captures_changes else subscriber
         owner.remove_seqs(conn, ctx.queue(), list(seqs))
+        if node.role.copies_events and not node.role.captures_changes:
+            set_tables.unfollow_seqs(conn, ctx.queue(), list(seqs))
     click.echo("removed " + ", ".join(seqs))
 
 
