@@ -11,6 +11,7 @@ Switchover (`takeover OLD` with OLD the live root), with N the branch taking ove
   4. on N, one transaction: it becomes the root, capture on, writes allowed;
   5. OLD is registered on N at T and resumed; N's registration on OLD is dropped.
 Writes are refused from 2 to 4.  If N does not reach T in time, OLD is made the root again.
+Before step 1, N must be able to take the application's writes (readiness.py; --force skips).
 
 Failover (`takeover OLD --dead-root`): N first catches up from the most advanced surviving
 branch (branches carry the whole queue), becomes the root, and every survivor that fed from
@@ -32,6 +33,7 @@ import psycopg
 
 from pgcascade.capture import logical
 from pgcascade.capture import tables as set_tables
+from pgcascade.cascade import readiness
 from pgcascade.cascade.join import announce_location
 from pgcascade.cascade.provider import change_provider, forget_subscriber
 from pgcascade.cascade.survey import Member, connect, last_tick_of, member_location, reach, reporters, survey
@@ -92,13 +94,27 @@ def wait_applied_tick(
     wait_for(f"{who} to apply tick {tick}", outstanding, timeout, say)
 
 
-def switchover(new: psycopg.Connection, queue: str, old_name: str, say: Say, timeout: float) -> str:
+def check_write_readiness(
+    new: psycopg.Connection, old: psycopg.Connection | None, queue: str, say: Say, force: bool
+) -> None:
+    """Refuse (unless `force`) a new root the application could not write to (readiness.py)."""
+    gaps = readiness.write_gaps(new, old, queue)
+    if gaps and not force:
+        raise UserError(readiness.refusal(gaps))
+    for gap in gaps:
+        say(f"warning (--force): {gap}")
+
+
+def switchover(
+    new: psycopg.Connection, queue: str, old_name: str, say: Say, timeout: float, force: bool = False
+) -> str:
     """The branch `new` takes the live root's place; the old root becomes its branch."""
     me = nodes.require_node(new, queue)
     old_loc = member_location(new, queue, old_name)
     with connect(old_loc) as old:
         onode = nodes.require_node(old, queue)
         refuse_logical_capture(old, queue, old_name, "a switchover")
+        check_write_readiness(new, old, queue, say, force)
 
         def close_behind() -> str | None:
             # a few ticks: under load the root ticks every few tens of ms, each a batch to apply
@@ -176,7 +192,9 @@ def hold_history(
     return followers, unreachable, under_survivors
 
 
-def failover(new: psycopg.Connection, queue: str, dead_name: str, say: Say, timeout: float) -> str:
+def failover(
+    new: psycopg.Connection, queue: str, dead_name: str, say: Say, timeout: float, force: bool = False
+) -> str:
     """The root is lost: this branch becomes the root, after catching up from the most
     advanced surviving branch, and every survivor that fed from the dead root follows it."""
     me = nodes.require_node(new, queue)
@@ -189,6 +207,7 @@ def failover(new: psycopg.Connection, queue: str, dead_name: str, say: Say, time
     members = [m for m in survey(new, queue, skip=(dead_name,)) if m.name != me.node_name]
     live = [m for m in members if m.node is not None]
     best = catch_up_from_best(new, queue, live, say, timeout)
+    check_write_readiness(new, None, queue, say, force)  # refused: a branch of `best`, as before
     mine = nodes.applied_tick(new, queue)
     seen = max([mine, *((m.node.last_tick or 0) for m in live if m.node)])
     followers, unreachable, under_survivors = hold_history(new, queue, dead_name, members, mine)

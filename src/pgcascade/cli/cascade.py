@@ -46,8 +46,13 @@ def change_provider(ctx: Context, new_provider: str, timeout: float, no_wait: bo
 @click.option("--dead-root", is_flag=True, help="The root is lost: become the root (failover).")
 @click.option("--dead-branch", is_flag=True, help="The branch is lost: take over its subscribers.")
 @click.option("--timeout", default=60.0, show_default=True, help="Seconds to wait for each step.")
+@click.option(
+    "--force", is_flag=True, help="Become the root even if tables lack defaults or sequences are behind."
+)
 @pass_ctx
-def takeover(ctx: Context, old_node: str, dead_root: bool, dead_branch: bool, timeout: float) -> None:
+def takeover(
+    ctx: Context, old_node: str, dead_root: bool, dead_branch: bool, timeout: float, force: bool
+) -> None:
     """Take OLD_NODE's place: a live root becomes our branch (switchover); --dead-root and
     --dead-branch take over from a lost node."""
     if dead_root and dead_branch:
@@ -55,11 +60,11 @@ def takeover(ctx: Context, old_node: str, dead_root: bool, dead_branch: bool, ti
     queue = ctx.queue()
     with ctx.this_node() as (conn, me):
         if dead_root:
-            click.echo(takeovers.failover(conn, queue, old_node, say, timeout))
+            click.echo(takeovers.failover(conn, queue, old_node, say, timeout, force))
         elif dead_branch:
             click.echo(provider.take_subscribers(conn, queue, old_node, True, say, timeout))
         elif me.provider_node == old_node and me.role.copies_events and old_is_root(conn, queue, old_node):
-            click.echo(takeovers.switchover(conn, queue, old_node, say, timeout))
+            click.echo(takeovers.switchover(conn, queue, old_node, say, timeout, force))
         else:
             click.echo(provider.take_subscribers(conn, queue, old_node, False, say, timeout))
 

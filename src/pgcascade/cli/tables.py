@@ -37,7 +37,14 @@ def echo_each(verb: str, names: list[str]) -> None:
 @click.option("--expect-sync", is_flag=True, help="Subscriber: the table is in sync already; skip the copy.")
 @click.option("--skip-truncate", is_flag=True, help="Subscriber: keep the rows already there when copying.")
 @click.option("--force", is_flag=True, help="Subscriber: skip the structure check.")
-@click.option("--create", is_flag=True, help="Subscriber: create the table from the provider's definition.")
+@click.option(
+    "--create", is_flag=True, help="Subscriber: create a missing table from the provider's columns."
+)
+@click.option(
+    "--create-full",
+    is_flag=True,
+    help="Subscriber: create a missing table with defaults, sequences, constraints, indexes, foreign keys.",
+)
 @click.option("--dest-table", help="Subscriber: apply to this local table instead.")
 @click.option(
     "--allow-local-writes", is_flag=True, help="Subscriber: do not refuse writes of ordinary sessions."
@@ -69,10 +76,17 @@ def add_table(
             with ctx.provider(conn, node) as prov:
                 if not no_wait and tables:
                     waits.wait_provider_has_tables(conn, prov, queue, list(tables), say, timeout)
-                added = subscriber.add_tables(conn, prov, queue, list(tables), all_tables, **opts)  # type: ignore[arg-type]
+                added = subscriber.add_tables(conn, prov, queue, list(tables), all_tables, say=say, **opts)  # type: ignore[arg-type]
+                if node.role.copies_events:
+                    pass_seqs_on(conn, queue)
             if node.combined_queue and added:
                 admin.register_merged_tables(conn, node.combined_queue, queue, added)
     echo_each("added", added)
+
+
+def pass_seqs_on(conn, queue: str) -> None:
+    """A branch passes on the values of the sequences it follows (its subscribers read them)."""
+    set_tables.follow_seqs(conn, queue, [s for s, _ in subscriber.seqs(conn, queue)])
 
 
 @click.command("remove-table")
@@ -146,8 +160,8 @@ def add_seq(ctx: Context, seqs: tuple[str, ...], all_seqs: bool, no_wait: bool, 
                     waits.wait_provider_has_seqs(conn, prov, queue, list(seqs), say, timeout)
                 with conn.transaction():
                     added = subscriber.add_seqs(conn, prov, queue, list(seqs), all_seqs)
-                    if node.role.copies_events:  # a branch passes their values on to its subscribers
-                        set_tables.follow_seqs(conn, queue, added)
+                    if node.role.copies_events:
+                        pass_seqs_on(conn, queue)
     echo_each("added", added)
 
 

@@ -126,6 +126,36 @@ def columns(conn: psycopg.Connection, table: str) -> list[Column]:
     return [Column(*r) for r in rows]
 
 
+@dataclass(frozen=True)
+class ColumnDefault:
+    name: str
+    default: str | None  # the expression (identity columns: None)
+    sequence: str | None  # the sequence it draws from (identity, serial or nextval default)
+
+
+def column_defaults(conn: psycopg.Connection, table: str) -> dict[str, ColumnDefault]:
+    """How each column of `table` gets a value when an insert leaves it out."""
+    rows = conn.execute(
+        "select a.attname::text, pg_get_expr(d.adbin, d.adrelid),"
+        " coalesce(pg_get_serial_sequence(%s, a.attname),"
+        "  (select format('%%I.%%I', n.nspname, s.relname) from pg_depend dep"
+        "   join pg_class s on s.oid = dep.refobjid and s.relkind = 'S'"
+        "   join pg_namespace n on n.oid = s.relnamespace"
+        "   where dep.classid = 'pg_attrdef'::regclass and dep.objid = d.oid"
+        "   and dep.refclassid = 'pg_class'::regclass limit 1))"
+        " from pg_attribute a left join pg_attrdef d on d.adrelid = a.attrelid and d.adnum = a.attnum"
+        " where a.attrelid = %s::regclass and a.attnum > 0 and not a.attisdropped and a.attgenerated = ''"
+        " order by a.attnum",
+        (table, table),
+    ).fetchall()
+    return {r[0]: ColumnDefault(*r) for r in rows}
+
+
+def sequence_value(conn: psycopg.Connection, seq: str) -> int | None:
+    """The last value the sequence gave (None: never used)."""
+    return scalar(conn, "select pg_sequence_last_value(%s::regclass)", (seq,))
+
+
 def has_unique_index_on(conn: psycopg.Connection, table: str, keys: list[str]) -> bool:
     """Whether a valid, non-partial unique index covers exactly `keys` (needed by ON CONFLICT)."""
     row = conn.execute(

@@ -3,7 +3,8 @@
 `add_tables` registers provider tables on this node (state NULL: the worker starts a copy;
 `--expect-sync`: state ok at once).  Unless `--force`, the local table must have every column
 the provider sends, with the same type; the first difference is the error.  `--create` makes
-the local table from the provider's definition.  Replicated tables refuse writes from ordinary
+the local table from the provider's columns, `--create-full` from its whole definition
+(tabledef.py).  Replicated tables refuse writes from ordinary
 sessions (a trigger that does not fire under session_replication_role = replica) unless added
 with `allow_local_writes`.
 """
@@ -25,6 +26,7 @@ from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
 from pgcascade.replica import state as states
 from pgcascade.replica.state import TableState
+from pgcascade.replica.tabledef import TableDefinition
 
 
 @dataclass
@@ -127,6 +129,29 @@ def create_like_provider(
     conn.execute(sql.SQL("create table {} ({})").format(sql.SQL(dest), sql.SQL(", ").join(coldefs)))
 
 
+def make_full(
+    conn: psycopg.Connection,
+    prov: psycopg.Connection,
+    queue: str,
+    table: str,
+    dest: str,
+    say: Callable[[str], None],
+) -> None:
+    """--create-full: the provider's whole definition; the sequences its columns own follow
+    the provider's values if it passes them on (add-seq on the root)."""
+    definition = TableDefinition.read(prov, table)
+    for note in definition.create(conn, dest):
+        say(f"{dest}: {note}")
+    owned = [s.name for s in definition.sequences if s.owner_column]
+    passed_on = set(capture.set_seqs(prov, queue))
+    follow_seqs(conn, queue, [s for s in owned if s in passed_on])
+    for s in owned:
+        if s not in passed_on:
+            say(
+                f"{dest}: sequence {s} made at the provider's value; add-seq it on the root to keep it following"
+            )
+
+
 def add_tables(
     conn: psycopg.Connection,
     prov: psycopg.Connection,
@@ -137,8 +162,10 @@ def add_tables(
     skip_truncate: bool = False,
     force: bool = False,
     create: bool = False,
+    create_full: bool = False,
     dest_table: str | None = None,
     allow_local_writes: bool = False,
+    say: Callable[[str], None] = print,
 ) -> list[str]:
     provided = capture.set_tables(prov, queue)
     wanted = list(provided) if all_tables else [catalog.canonical(prov, n) for n in names]
@@ -158,11 +185,14 @@ def add_tables(
             dest = catalog.canonical(conn, dest_table) if dest_table else t
             prov_cols = catalog.columns(prov, t)
             if not catalog.table_exists(conn, dest):
-                if not create:
+                if create_full:
+                    make_full(conn, prov, queue, t, dest, say)
+                elif create:
+                    create_like_provider(conn, dest, prov_cols, provided[t])
+                else:
                     raise UserError(
-                        f"table {dest} does not exist on the subscriber (use --create to make it)"
+                        f"table {dest} does not exist on the subscriber (--create-full to make it)"
                     )
-                create_like_provider(conn, dest, prov_cols, provided[t])
             elif not force:
                 diff = structure_difference(prov_cols, catalog.columns(conn, dest))
                 if diff:
