@@ -885,3 +885,55 @@ def test_failover_checks_sequences_against_the_keys_it_holds(cascade, make_db, p
     r = c.cli("s2", "takeover", "s1", "--dead-root", "--force")
     assert "warning (--force): sequence public.t_id_seq is at 10" in r.stderr, r.stderr
     assert c.scalar("s2", "select node_type from pgcascade.node") == "root"
+
+
+def test_copy_node_flags_copy_from_upstream_under_load(cascade, make_db):
+    """Londiste's --find-copy-node and --copy-node: a leaf under a queue-only branch copies its
+    tables from the nearest node upstream that holds them (here the root), or from the node it
+    names; the branch carries their changes.  --wait-sync returns once the tables are in sync.
+    pgbench writes throughout; the leaf ends equal to the root."""
+    c = cascade
+    for name, cl in (("s1", "a"), ("s2", "b"), ("l", "a")):
+        c.node(name, make_db(cl))
+    c.pgbench_root("s1")
+    c.create("s2", "branch", "s1")
+    c.create("l", "leaf", "s2")
+    c.start_all("s1", "s2", "l")
+    load = pgbench(c.dbs["s1"], "-c", "2", "-j", "2", "-T", "12", "-R", "150")
+    r = c.cli("l", "add-table", "pgbench_accounts", "--create", check=False)
+    assert (
+        r.returncode == 2
+        and "does not replicate public.pgbench_accounts" in r.stderr
+        and "--find-copy-node" in r.stderr
+    ), r.stderr
+    r = c.cli("l", "add-table", "pgbench_accounts", "--create", "--copy-node", "s2", check=False)
+    assert r.returncode == 2 and "--copy-node: s2 cannot give the copy of public.pgbench_accounts" in r.stderr
+    r = c.cli(
+        "l", "add-table", "pgbench_accounts", "pgbench_history", "--create", "--find-copy-node", "--wait-sync"
+    )
+    assert r.stdout.splitlines()[-1] == "in sync", r.stdout
+    assert c.copying("l") == 0
+    c.cli(
+        "l",
+        "add-table",
+        "pgbench_branches",
+        "pgbench_tellers",
+        "--create",
+        "--copy-node",
+        "s1",
+        "--wait-sync",
+    )
+    assert load.wait(timeout=60) == 0, load.stderr.read()
+    c.sync("s1", ["s2"])
+    c.sync("s1", ["l"])
+    c.assert_equal("s1", "l")
+    assert c.scalar("l", "select count(*) from pgbench_history") > 500
+    # the copies read the root's queue: their consumers there are gone once in sync
+    assert (
+        c.scalar(
+            "s1",
+            "select count(*) from pgcascade.get_consumer_info(%s) where consumer_name like '%%.copy.%%'",
+            (QUEUE,),
+        )
+        == 0
+    )

@@ -66,7 +66,9 @@ def test_batches_stop_at_the_lowest_hand_over_tick_ahead():
     from pgcascade.replica.tables import SubscriberTable
 
     def t(state):
-        return SubscriberTable("t", "t", ["id"], TableState.parse(state), None, None, None, False, False)
+        return SubscriberTable(
+            "t", "t", ["id"], TableState.parse(state), None, None, None, False, False, None
+        )
 
     assert batch_cap([t("ok"), t(None)], 10) is None
     assert batch_cap([t("wanna-sync:15"), t("wanna-sync:12"), t("ok")], 10) == 12

@@ -11,7 +11,8 @@ takeover we list what would break, per table the node holds in sync:
   follows (`add-seq`) are moved up with every batch and are not checked.
 
 Only the old root's definitions say what the application relies on; with the old root lost
-(failover) only the sequences are checked.
+(failover) only the sequences are checked.  A combined queue (merge-leaves feed it here) is
+not checked: the application writes to the partitions.
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ from psycopg import sql
 
 from pgcascade.core import catalog
 from pgcascade.core.pgconn import scalar
+from pgcascade.pgq import node as nodes
 from pgcascade.replica import tables as subscriber
 
 
 def write_gaps(new: psycopg.Connection, old: psycopg.Connection | None, queue: str) -> list[str]:
     """What keeps `new` from taking the writes `old` (None: lost) takes; empty if nothing."""
+    if nodes.is_combined(new, queue):
+        return []  # a combined queue's rows come from its partitions' merge-leaves, not an application
     followed = {s for s, _ in subscriber.seqs(new, queue)}
     gaps: list[str] = []
     for table in sorted(subscriber.in_sync_tables(new, queue)):

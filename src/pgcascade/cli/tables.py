@@ -12,6 +12,7 @@ from pgcascade.cascade import admin, waits
 from pgcascade.cli.context import Context, echo_json, pass_ctx, require_subscriber, say
 from pgcascade.core.errors import UserError
 from pgcascade.monitor import report
+from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
 from pgcascade.replica import tables as subscriber
 
@@ -49,8 +50,23 @@ def echo_each(verb: str, names: list[str]) -> None:
 @click.option(
     "--allow-local-writes", is_flag=True, help="Subscriber: do not refuse writes of ordinary sessions."
 )
+@click.option("--copy-node", help="Subscriber: copy the rows from this root or branch, not the provider.")
+@click.option(
+    "--find-copy-node",
+    is_flag=True,
+    help="Subscriber: copy from the nearest node upstream that holds the table in sync.",
+)
+@click.option(
+    "--merge-all", is_flag=True, help="Merge-leaf: add the tables for every partition merging into its queue."
+)
+@click.option("--wait-sync", is_flag=True, help="Subscriber: return once the tables are copied and in sync.")
 @click.option("--no-wait", is_flag=True, help="Subscriber: do not wait for tables just added on the root.")
-@click.option("--timeout", default=600.0, show_default=True, help="Subscriber: seconds to wait for them.")
+@click.option(
+    "--timeout",
+    default=600.0,
+    show_default=True,
+    help="Subscriber: seconds to wait for them (and --wait-sync).",
+)
 @pass_ctx
 def add_table(
     ctx: Context,
@@ -58,6 +74,9 @@ def add_table(
     all_tables: bool,
     key: str | None,
     event_format: str,
+    find_copy_node: bool,
+    merge_all: bool,
+    wait_sync: bool,
     no_wait: bool,
     timeout: float,
     **opts: object,
@@ -65,23 +84,46 @@ def add_table(
     """Replicate tables: on the root, capture them; on a subscriber, subscribe to them."""
     if not tables and not all_tables:
         raise UserError("add-table needs table names (or --all)")
+    if find_copy_node:
+        if opts["copy_node"]:
+            raise UserError("--copy-node and --find-copy-node exclude each other")
+        opts["copy_node"] = subscriber.FIND_COPY_NODE
     queue = ctx.queue()
     with ctx.this_node() as (conn, node):
         if node.role.captures_changes:
             keys = [k.strip() for k in key.split(",")] if key else None
-            added = set_tables.add_tables(conn, queue, list(tables), all_tables, keys, event_format)
-        else:
-            if key or event_format != "json":
-                raise UserError("--key and --format are set on the root, where tables are captured")
-            with ctx.provider(conn, node) as prov:
+            echo_each(
+                "added", set_tables.add_tables(conn, queue, list(tables), all_tables, keys, event_format)
+            )
+            return
+        if key or event_format != "json":
+            raise UserError("--key and --format are set on the root, where tables are captured")
+        if merge_all and not node.combined_queue:
+            raise UserError("--merge-all is for a merge-leaf (create-leaf --merge)")
+        parts = nodes.merged_partitions(conn, node) if merge_all else [node]
+        for part in parts:
+            with ctx.provider(conn, part) as prov:
                 if not no_wait and tables:
-                    waits.wait_provider_has_tables(conn, prov, queue, list(tables), say, timeout)
-                added = subscriber.add_tables(conn, prov, queue, list(tables), all_tables, say=say, **opts)  # type: ignore[arg-type]
-                if node.role.copies_events:
-                    pass_seqs_on(conn, queue)
-            if node.combined_queue and added:
-                admin.register_merged_tables(conn, node.combined_queue, queue, added)
-    echo_each("added", added)
+                    waits.wait_provider_has_tables(conn, prov, part.queue_name, list(tables), say, timeout)
+                added = subscriber.add_tables(
+                    conn,
+                    prov,
+                    part.queue_name,
+                    list(tables),
+                    all_tables,
+                    say=say,
+                    **opts,  # type: ignore[arg-type]
+                )
+                if part.role.copies_events:
+                    pass_seqs_on(conn, part.queue_name)
+            if part.combined_queue and added:
+                admin.register_merged_tables(conn, part.combined_queue, part.queue_name, added)
+            echo_each("added", added if part is node else [f"{t} ({part.queue_name})" for t in added])
+        if wait_sync:
+            for part in parts:
+                with ctx.provider(conn, part) as prov:
+                    waits.wait_sync(conn, prov, part, timeout)
+            click.echo("in sync")
 
 
 def pass_seqs_on(conn, queue: str) -> None:

@@ -22,6 +22,7 @@ import psycopg
 
 from pgcascade.core import schema
 from pgcascade.core.errors import RuntimeFailure, UserError
+from pgcascade.core.pgconn import scalar
 
 
 class NodeType(enum.StrEnum):
@@ -253,6 +254,25 @@ def node_location(conn: psycopg.Connection, queue_name: str, node_name: str) -> 
     if row is None:
         raise RuntimeFailure(f"location of node {node_name!r} is unknown in set {queue_name!r}")
     return row[0]
+
+
+def is_combined(conn: psycopg.Connection, queue_name: str) -> bool:
+    """Whether merge-leaves in this database feed the queue (a combined queue)."""
+    return scalar(
+        conn, "select exists (select 1 from pgcascade.node where combined_queue = %s)", (queue_name,)
+    )
+
+
+def merged_partitions(conn: psycopg.Connection, node: Node) -> list[Node]:
+    """A merge-leaf and the other merge-leaves in its database feeding the same combined queue."""
+    return [node] + [
+        n
+        for (queue,) in conn.execute(
+            "select queue_name from pgcascade.node where combined_queue = %s and queue_name <> %s order by 1",
+            (node.combined_queue, node.queue_name),
+        ).fetchall()
+        if (n := get_node(conn, queue)) is not None
+    ]
 
 
 def provider_location(conn: psycopg.Connection, node: Node) -> str:

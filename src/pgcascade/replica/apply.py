@@ -123,7 +123,10 @@ class TableApplier:
         cls, sub: psycopg.Connection, prov: psycopg.Connection, st: SubscriberTable, event_format: str
     ) -> TableApplier:
         dest_cols = catalog.columns(sub, st.dest_table)
-        prov_names = {c.name for c in catalog.columns(prov, st.table_name)}
+        if catalog.table_exists(prov, st.table_name):
+            prov_names = {c.name for c in catalog.columns(prov, st.table_name)}
+        else:  # a queue-only branch carries the events of a table it does not have itself
+            prov_names = {c.name for c in dest_cols}
         cols = [c.name for c in dest_cols if c.name in prov_names and not c.generated]
         identity = any(c.identity for c in dest_cols if c.name in cols)
         set_based = event_format == "json" and catalog.has_unique_index_on(sub, st.dest_table, st.key_columns)

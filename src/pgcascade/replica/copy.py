@@ -107,7 +107,14 @@ class CopyProcess(Daemon):
             self.sub = pgconn.connect(self.db, autocommit=True, connect_timeout=10)
             self.sub.execute("set application_name = 'pgcascade copy'")
             self.node = nodes.require_node(self.sub, self.queue)
-            self.prov_location = nodes.provider_location(self.sub, self.node)
+            st = subscriber.get_table(self.sub, self.queue, self.table)
+            # the copy and its catch-up read the copy node's queue (--copy-node): a branch
+            # repeats the root's tick ids, so the hand-over to the worker is at the same tick
+            self.prov_location = (
+                subscriber.copy_source(self.sub, self.node, self.table, st.copy_node)
+                if st is not None
+                else nodes.provider_location(self.sub, self.node)
+            )
         if self.prov is None or self.prov.closed:
             self.prov = pgconn.connect(self.prov_location, autocommit=True, connect_timeout=10)
         return self.sub, self.prov

@@ -165,7 +165,8 @@ def sequence_options(prov: psycopg.Connection, seq: str, with_type: bool = True)
     assert row is not None
     typ, inc, lo, hi, start, cache, cycle = row
     return (
-        (f"as {typ} " if with_type else "") + f"increment by {inc} minvalue {lo} maxvalue {hi} start with {start} cache {cache}"
+        (f"as {typ} " if with_type else "")
+        + f"increment by {inc} minvalue {lo} maxvalue {hi} start with {start} cache {cache}"
         f" {'cycle' if cycle else 'no cycle'}"
     )
 

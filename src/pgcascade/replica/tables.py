@@ -11,6 +11,7 @@ with `allow_local_writes`.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,7 @@ class SubscriberTable:
     copy_pid: int | None
     skip_truncate: bool
     local_writes: bool
+    copy_node: str | None  # copy the rows from this node, not the provider ('?': find one)
 
 
 def _table_row(cursor: psycopg.Cursor) -> Callable[[Sequence[Any]], SubscriberTable]:
@@ -54,7 +56,8 @@ def tables(conn: psycopg.Connection, queue: str) -> list[SubscriberTable]:
     with conn.cursor(row_factory=_table_row) as cur:
         return cur.execute(
             "select table_name, dest_table, key_columns, state, copy_snapshot::text, copy_tick, copy_pid,"
-            " skip_truncate, local_writes from pgcascade.subscriber_table where queue_name = %s order by 1",
+            " skip_truncate, local_writes, copy_node from pgcascade.subscriber_table where queue_name = %s"
+            " order by 1",
             (queue,),
         ).fetchall()
 
@@ -131,15 +134,16 @@ def create_like_provider(
 
 def make_full(
     conn: psycopg.Connection,
+    src: psycopg.Connection,
     prov: psycopg.Connection,
     queue: str,
     table: str,
     dest: str,
     say: Callable[[str], None],
 ) -> None:
-    """--create-full: the provider's whole definition; the sequences its columns own follow
-    the provider's values if it passes them on (add-seq on the root)."""
-    definition = TableDefinition.read(prov, table)
+    """--create-full: the definition `src` has; the sequences its columns own follow the
+    provider's values if the provider passes them on (add-seq on the root)."""
+    definition = TableDefinition.read(src, table)
     for note in definition.create(conn, dest):
         say(f"{dest}: {note}")
     owned = [s.name for s in definition.sequences if s.owner_column]
@@ -165,6 +169,7 @@ def add_tables(
     create_full: bool = False,
     dest_table: str | None = None,
     allow_local_writes: bool = False,
+    copy_node: str | None = None,
     say: Callable[[str], None] = print,
 ) -> list[str]:
     provided = capture.set_tables(prov, queue)
@@ -174,19 +179,27 @@ def add_tables(
     for t in wanted:
         if t not in provided:
             raise UserError(f"table {t} is not replicated by the provider: add it on the root first")
-    if not expect_sync:
+    if copy_node not in (None, FIND_COPY_NODE):
+        check_copy_node(conn, queue, copy_node, wanted)
+    elif not expect_sync and copy_node is None:
         refuse_uncopyable(prov, queue, wanted)
     registered = {t.table_name for t in tables(conn, queue)}
+    node = nodes.require_node(conn, queue)
     added = []
-    with conn.transaction():
+    with conn.transaction(), contextlib.ExitStack() as sources:
         for t in wanted:
             if t in registered:
                 continue
             dest = catalog.canonical(conn, dest_table) if dest_table else t
-            prov_cols = catalog.columns(prov, t)
+            # the definition comes from where the rows will (a queue-only branch has neither)
+            src = prov
+            if copy_node is not None:
+                location = copy_source(conn, node, t, copy_node)
+                src = sources.enter_context(psycopg.connect(location, autocommit=True, connect_timeout=10))
+            prov_cols = catalog.columns(src, t)
             if not catalog.table_exists(conn, dest):
                 if create_full:
-                    make_full(conn, prov, queue, t, dest, say)
+                    make_full(conn, src, prov, queue, t, dest, say)
                 elif create:
                     create_like_provider(conn, dest, prov_cols, provided[t])
                 else:
@@ -201,7 +214,7 @@ def add_tables(
                     )
             conn.execute(
                 "insert into pgcascade.subscriber_table (queue_name, table_name, dest_table, key_columns, state,"
-                " skip_truncate, local_writes) values (%s, %s, %s, %s, %s, %s, %s)",
+                " skip_truncate, local_writes, copy_node) values (%s, %s, %s, %s, %s, %s, %s, %s)",
                 (
                     queue,
                     t,
@@ -210,6 +223,7 @@ def add_tables(
                     (states.OK if expect_sync else states.NEW).stored(),
                     skip_truncate,
                     allow_local_writes,
+                    copy_node,
                 ),
             )
             conn.execute("select pgcascade.protect_table(%s::regclass, %s)", (dest, not allow_local_writes))
@@ -234,6 +248,46 @@ def provider_lacks(prov: psycopg.Connection, queue: str, wanted: list[str]) -> d
     }
 
 
+FIND_COPY_NODE = "?"  # Londiste's mark: the nearest node upstream that holds the table
+
+
+def node_holds(conn: psycopg.Connection, queue: str, table: str) -> str | None:
+    """Why this node cannot give a copy of `table` (None: it can - the root, or in sync)."""
+    node = nodes.get_node(conn, queue)
+    if node is None or not node.role.has_queue:
+        return "it is not a root or branch of the set"
+    return provider_lacks(conn, queue, [table]).get(table)
+
+
+def check_copy_node(conn: psycopg.Connection, queue: str, name: str, wanted: list[str]) -> None:
+    """--copy-node: a root or branch of the set that holds the tables in sync now."""
+    location = nodes.locations(conn, queue).get(name)
+    if location is None:
+        raise UserError(f"--copy-node: {name} is not a node of set {queue}")
+    with psycopg.connect(location[0], autocommit=True, connect_timeout=10) as other:
+        for t in wanted:
+            why = node_holds(other, queue, t)
+            if why:
+                raise UserError(f"--copy-node: {name} cannot give the copy of {t}: {why}")
+
+
+def copy_source(conn: psycopg.Connection, node: nodes.Node, table: str, copy_node: str | None) -> str:
+    """The location the table's copy reads: the provider, --copy-node's node, or (find) the
+    nearest node upstream that holds the table in sync now, as Londiste's --find-copy-node."""
+    if copy_node and copy_node != FIND_COPY_NODE:
+        return nodes.node_location(conn, node.queue_name, copy_node)
+    location = nodes.provider_location(conn, node)
+    if copy_node != FIND_COPY_NODE:
+        return location
+    for _ in range(64):  # the cascade's depth, with a bound against a loop
+        with psycopg.connect(location, autocommit=True, connect_timeout=10) as up:
+            here = nodes.require_node(up, node.queue_name)
+            if node_holds(up, node.queue_name, table) is None or here.provider_node is None:
+                return location
+            location = nodes.provider_location(up, here)
+    return location
+
+
 def refuse_uncopyable(prov: psycopg.Connection, queue: str, wanted: list[str]) -> None:
     """A branch that does not replicate a table at all (a queue-only branch) never can give
     its copy; one still copying it will (the copy process waits)."""
@@ -241,7 +295,8 @@ def refuse_uncopyable(prov: psycopg.Connection, queue: str, wanted: list[str]) -
     if never:
         raise UserError(
             f"the provider (a branch) does not replicate {', '.join(never)}, so it cannot give the initial"
-            " copy: add it there first, or load the rows yourself and use --expect-sync"
+            " copy: add it there first, copy it from upstream (--find-copy-node), or load the rows yourself"
+            " and use --expect-sync"
         )
 
 

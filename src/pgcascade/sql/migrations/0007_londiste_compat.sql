@@ -1,0 +1,17 @@
+-- pgcascade schema, migration 7: what Londiste 3's commands need.
+--
+-- A branch lists in set_seq the sequences it follows: its subscribers may follow only
+-- sequences whose values it keeps itself.  Branches installed earlier had set_seq empty until
+-- a takeover; fill it from what they follow.
+--
+-- subscriber_table.copy_node: add-table --copy-node=NODE copies the table's rows from NODE
+-- (a root or branch of the set) instead of the provider; '?' (--find-copy-node) means the
+-- nearest node upstream that holds the table in sync, found when the copy starts.
+
+insert into pgcascade.set_seq (queue_name, seq_name)
+select s.queue_name, s.seq_name
+  from pgcascade.subscriber_seq s
+  join pgcascade.node n on n.queue_name = s.queue_name and n.node_type = 'branch'
+on conflict do nothing;
+
+alter table pgcascade.subscriber_table add column copy_node text;
