@@ -13,7 +13,9 @@ python_only=false
 
 # chromium: the live page's browser tests (Playwright drives Debian's build; it downloads none)
 # iproute2: the Spark cluster tests' second host (a network namespace and a veth pair)
-DEB_PACKAGES=(postgresql-15 postgresql-client-15 openjdk-17-jre-headless libpostgresql-jdbc-java chromium python3-venv iproute2)
+# postgresql-15-pgq3 ... python3-londiste: the real PgQ and Londiste 3 that the drop-in tests migrate from
+DEB_PACKAGES=(postgresql-15 postgresql-client-15 openjdk-17-jre-headless libpostgresql-jdbc-java chromium python3-venv iproute2
+  postgresql-15-pgq3 pgqd postgresql-15-pgq-node postgresql-15-londiste-sql python3-londiste)
 
 missing=()
 $python_only && DEB_PACKAGES=(python3-venv)

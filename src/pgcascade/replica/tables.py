@@ -389,12 +389,19 @@ def adopt(conn: psycopg.Connection, queue: str, held: dict[str, list[str]], stat
     """Replicate these tables (name -> key columns) under their own names, in `state`: ok for
     an old root's tables (in sync by definition), NULL for tables to copy again."""
     for table, keys in held.items():
-        conn.execute("select pgcascade.protect_table(%s::regclass, true)", (table,))
-        conn.execute(
-            "insert into pgcascade.subscriber_table (queue_name, table_name, dest_table, key_columns, state)"
-            " values (%s, %s, %s, %s, %s) on conflict (queue_name, table_name) do update set state = excluded.state",
-            (queue, table, table, keys, state.stored()),
-        )
+        adopt_table(conn, queue, table, table, keys, state)
+
+
+def adopt_table(
+    conn: psycopg.Connection, queue: str, table: str, dest: str, keys: list[str], state: TableState
+) -> None:
+    """Replicate `table` into `dest` from here on, in `state` (a takeover, an import)."""
+    conn.execute("select pgcascade.protect_table(%s::regclass, true)", (dest,))
+    conn.execute(
+        "insert into pgcascade.subscriber_table (queue_name, table_name, dest_table, key_columns, state)"
+        " values (%s, %s, %s, %s, %s) on conflict (queue_name, table_name) do update set state = excluded.state",
+        (queue, table, dest, keys, state.stored()),
+    )
 
 
 def release_all(conn: psycopg.Connection, queue: str, unprotect: bool = True) -> list[str]:

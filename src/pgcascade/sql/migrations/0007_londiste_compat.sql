@@ -15,3 +15,15 @@ select s.queue_name, s.seq_name
 on conflict do nothing;
 
 alter table pgcascade.subscriber_table add column copy_node text;
+
+-- import-londiste: where a node's Londiste 3 stream ends and its pgcascade stream begins.
+--   first_tick      pgcascade's tick taken in the transaction that swapped the root's
+--                   triggers: every pgcascade event of the set comes after it
+--   pgq_final_tick  PgQ's tick taken once every transaction that wrote through Londiste's
+--                   triggers had ended: a subscriber's Londiste worker must have applied it
+create table pgcascade.londiste_import (
+    queue_name      text primary key,
+    first_tick      int8 not null,
+    pgq_final_tick  int8,
+    imported        timestamptz not null default now()
+);

@@ -1,0 +1,252 @@
+"""import-londiste: a live Londiste 3 node becomes the pgcascade node of the same name and
+location, without copying its tables again.
+
+The root goes first, with its Londiste worker stopped (the application keeps writing):
+  1. one transaction: pgcascade's queue and root node; pgcascade's capture triggers on the
+     set's tables and Londiste's dropped (each table's lock waits for the writers in flight);
+     a first pgcascade tick F.  A transaction that writes after it finds pgcascade's triggers;
+  2. wait until every transaction that was running at that commit has ended: none can write
+     through Londiste's triggers any more;
+  3. a final PgQ tick P on Londiste's queue (then its ticker is paused: pgqd has nothing left to
+     tick there); every Londiste event is in a batch up to P, every pgcascade event after F;
+  4. Londiste's subscribers are registered on pgcascade's queue at F (the queue keeps their
+     history until they are imported) and F and P are recorded (pgcascade.londiste_import).
+
+Then each subscriber, provider before subscriber, once its Londiste worker has applied P and
+is stopped: one transaction makes it a pgcascade leaf or branch that applied F, with its
+tables in state ok (those Londiste had not finished copying start their copy again), the
+sequences it followed, and Londiste's triggers on its tables dropped.  A row changed before
+the root's swap arrives through Londiste, after it through pgcascade, in that order: nothing
+is lost or applied twice.  Londiste's schemas stay (drop-londiste removes them).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import psycopg
+from psycopg import sql
+
+from pgcascade.capture import tables as set_tables
+from pgcascade.cascade.survey import connect
+from pgcascade.cascade.waits import Say
+from pgcascade.core import schema
+from pgcascade.core.errors import RuntimeFailure, UserError
+from pgcascade.core.pgconn import scalar
+from pgcascade.pgq import node as nodes
+from pgcascade.pgq import queue as q
+from pgcascade.pgq.node import NodeType
+from pgcascade.replica import state as states
+from pgcascade.replica import tables as subscriber
+
+
+@dataclass
+class LondisteTable:
+    name: str
+    dest: str
+    in_sync: bool  # merge_state ok
+
+
+@dataclass
+class LondisteNode:
+    """A node of a Londiste 3 set as its database describes it (pgq_node, londiste)."""
+
+    queue: str
+    name: str
+    node_type: NodeType
+    provider: str | None
+    provider_location: str | None
+    worker_last_tick: int | None  # the last PgQ tick its worker applied
+    locations: dict[str, tuple[str, bool]] = field(default_factory=dict)
+    tables: list[LondisteTable] = field(default_factory=list)
+    seqs: list[str] = field(default_factory=list)
+    subscribers: list[str] = field(default_factory=list)
+
+    @property
+    def location(self) -> str:
+        return self.locations[self.name][0]
+
+
+def read_node(conn: psycopg.Connection, queue: str) -> LondisteNode:
+    if not scalar(conn, "select to_regclass('londiste.table_info') is not null"):
+        raise UserError("this database has no Londiste 3 (no londiste schema)")
+    row = conn.execute(
+        "select node_type, node_name, provider_node, provider_location, worker_last_tick, combined_queue"
+        " from pgq_node.get_node_info(%s)",
+        (queue,),
+    ).fetchone()
+    if row is None or row[0] is None:
+        raise UserError(f"this database is not a Londiste node of queue {queue!r}")
+    node_type, name, provider, provider_location, last_tick, combined = row
+    if combined:
+        raise UserError(f"{name} is a merge-leaf of {combined}: import-londiste does not move merge sets yet")
+    node = LondisteNode(queue, name, NodeType(node_type), provider, provider_location, last_tick)
+    for loc_name, location, dead in conn.execute(
+        "select node_name, node_location, dead from pgq_node.get_queue_locations(%s)", (queue,)
+    ):
+        node.locations[loc_name] = (location, dead)
+    for table, local, state, dest in conn.execute(
+        "select table_name, local, merge_state, dest_table from londiste.get_table_list(%s)", (queue,)
+    ):
+        if local:
+            node.tables.append(LondisteTable(table, dest or table, state == "ok"))
+    node.seqs = [
+        s
+        for s, local in conn.execute("select seq_name, local from londiste.get_seq_list(%s)", (queue,))
+        if local
+    ]
+    if node.node_type is not NodeType.LEAF:
+        node.subscribers = [
+            r[0] for r in conn.execute("select node_name from pgq_node.get_subscriber_info(%s)", (queue,))
+        ]
+    return node
+
+
+def plan(node: LondisteNode, target: str) -> list[str]:
+    """What import-londiste would do here (--dry-run)."""
+    copies = [t.name for t in node.tables if not t.in_sync]
+    lines = [
+        f"node {node.name} ({node.node_type}) of queue {node.queue} becomes a pgcascade {node.node_type}"
+        + (f" of {node.provider}" if node.provider else ""),
+        f"tables: {len(node.tables)}"
+        + (f" ({len(copies)} copied again: {', '.join(copies)})" if copies else ""),
+        f"sequences: {', '.join(node.seqs) or 'none'}",
+        f"Londiste's triggers dropped on: {', '.join(t.dest for t in node.tables) or 'none'}",
+        f"then: {target}",
+    ]
+    if node.subscribers:
+        lines.append(f"subscribers kept for, to import after this node: {', '.join(node.subscribers)}")
+    return lines
+
+
+def copy_locations(conn: psycopg.Connection, node: LondisteNode) -> None:
+    for name, (location, dead) in node.locations.items():
+        nodes.set_location(conn, node.queue, name, location)
+        if dead:
+            nodes.mark_dead(conn, node.queue, name)
+
+
+def drop_londiste_triggers(conn: psycopg.Connection, queue: str, table: str) -> None:
+    for trigger in (f"_londiste_{queue}", f"_londiste_{queue}_truncate"):
+        conn.execute(
+            sql.SQL("drop trigger if exists {} on {}").format(sql.Identifier(trigger), sql.SQL(table))
+        )
+
+
+def import_root(conn: psycopg.Connection, node: LondisteNode, say: Say) -> str:
+    queue = node.queue
+    schema.install(conn)
+    if nodes.get_node(conn, queue) is not None:
+        raise UserError(f"this database is a pgcascade node of {queue} already")
+    with conn.transaction():
+        q.create_queue(conn, queue)
+        nodes.insert_node(conn, queue, node.name, NodeType.ROOT)
+        copy_locations(conn, node)
+        for t in node.tables:
+            drop_londiste_triggers(conn, queue, t.dest)
+        if node.tables:
+            set_tables.add_tables(conn, queue, [t.name for t in node.tables])
+        set_tables.follow_seqs(conn, queue, node.seqs)
+        first = q.ticker(conn, queue)
+        for sub in node.subscribers:
+            q.register_consumer_at(conn, queue, sub, first)
+        conn.execute(
+            "insert into pgcascade.londiste_import (queue_name, first_tick) values (%s, %s)", (queue, first)
+        )
+    say(f"capture moved to pgcascade at its tick {first}; waiting for writers that started before")
+    horizon = scalar(conn, "select txid_snapshot_xmax(txid_current_snapshot())")
+    while scalar(conn, "select txid_snapshot_xmin(txid_current_snapshot())") < horizon:
+        time.sleep(0.05)
+    final = last_pgq_tick(conn, queue)
+    with conn.transaction():
+        conn.execute("select pgq.set_queue_config(%s, 'ticker_paused', 'true')", (queue,))
+        conn.execute(
+            "update pgcascade.londiste_import set pgq_final_tick = %s where queue_name = %s", (final, queue)
+        )
+    return (
+        f"{node.name} is the pgcascade root of {queue} from tick {first}; Londiste's last tick is {final}:"
+        " import each subscriber once its Londiste worker has applied it"
+    )
+
+
+def last_pgq_tick(conn: psycopg.Connection, queue: str, timeout: float = 60) -> int:
+    """A PgQ tick taken from now on (ours, or pgqd's if it ticks first): its snapshot sees
+    every transaction that has ended.  pgq.ticker() ticks only when its thresholds say so;
+    pgq.force_tick() makes them say so."""
+    before = scalar(conn, "select last_tick_id from pgq.get_queue_info(%s)", (queue,))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        conn.execute("select pgq.force_tick(%s)", (queue,))
+        tick = scalar(conn, "select pgq.ticker(%s)", (queue,))
+        newest = scalar(conn, "select last_tick_id from pgq.get_queue_info(%s)", (queue,))
+        if tick is not None or newest > before:
+            return tick or newest
+        time.sleep(0.05)
+    raise RuntimeFailure(f"PgQ's queue {queue} did not tick in {timeout:.0f}s")
+
+
+def import_subscriber(conn: psycopg.Connection, node: LondisteNode, say: Say) -> str:
+    queue = node.queue
+    if node.provider is None or node.provider_location is None:
+        raise UserError(f"{node.name} has no provider in Londiste's node info")
+    with connect(node.provider_location) as prov:
+        pnode = nodes.get_node(prov, queue)
+        marks = (
+            prov.execute(
+                "select first_tick, pgq_final_tick from pgcascade.londiste_import where queue_name = %s",
+                (queue,),
+            ).fetchone()
+            if pnode is not None
+            else None
+        )
+        if pnode is None or marks is None or marks[1] is None:
+            raise UserError(
+                f"import the provider {node.provider} first (it is not a pgcascade node imported from Londiste)"
+            )
+        first, final = marks
+        if (node.worker_last_tick or 0) < final:
+            raise UserError(
+                f"the Londiste worker of {node.name} applied PgQ tick {node.worker_last_tick}; it must apply"
+                f" {final} (the last one) before the import: run it until then, then stop it"
+            )
+        keys = set_tables.set_tables(prov, queue)
+        rows = set_tables.set_table_rows(prov, queue)
+        with prov.transaction():
+            q.register_consumer_at(prov, queue, node.name, first)
+            position = q.consumer_tick(prov, queue, node.name)
+            nodes.set_location(prov, queue, node.name, node.location)
+        if position is None or position[0] != first:
+            raise RuntimeFailure(
+                f"{node.provider} no longer has tick {first}: the subscriber cannot continue from it"
+            )
+    missing = [t.name for t in node.tables if t.name not in keys]
+    if missing:
+        raise UserError(f"the provider does not replicate {', '.join(missing)}")
+    schema.install(conn)
+    if nodes.get_node(conn, queue) is not None:
+        raise UserError(f"this database is a pgcascade node of {queue} already")
+    with conn.transaction():
+        if node.node_type is NodeType.BRANCH:
+            q.create_branch_queue(conn, queue, *position)
+            set_tables.mirror_set_tables(conn, queue, rows)
+            for sub in node.subscribers:
+                q.register_consumer_at(conn, queue, sub, first)
+            conn.execute(
+                "insert into pgcascade.londiste_import (queue_name, first_tick, pgq_final_tick) values (%s, %s, %s)",
+                (queue, first, final),
+            )
+        nodes.insert_node(conn, queue, node.name, node.node_type, node.provider, first)
+        copy_locations(conn, node)
+        for t in node.tables:
+            drop_londiste_triggers(conn, queue, t.dest)
+            subscriber.adopt_table(
+                conn, queue, t.name, t.dest, keys[t.name], states.OK if t.in_sync else states.NEW
+            )
+        subscriber.follow_seqs(conn, queue, node.seqs)
+        if node.node_type is NodeType.BRANCH:
+            set_tables.follow_seqs(conn, queue, node.seqs)
+    copies = [t.name for t in node.tables if not t.in_sync]
+    note = f"; copied again: {', '.join(copies)}" if copies else ""
+    say(f"{node.name} continues from pgcascade tick {first} on {node.provider}")
+    return f"{node.name} is a pgcascade {node.node_type} of {node.provider}, {len(node.tables)} tables{note}"
