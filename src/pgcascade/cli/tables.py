@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
+import psycopg
 
 from pgcascade.capture import tables as set_tables
 from pgcascade.cascade import admin, waits
@@ -126,7 +127,7 @@ def add_table(
             click.echo("in sync")
 
 
-def pass_seqs_on(conn, queue: str) -> None:
+def pass_seqs_on(conn: psycopg.Connection, queue: str) -> None:
     """A branch passes on the values of the sequences it follows (its subscribers read them)."""
     set_tables.follow_seqs(conn, queue, [s for s, _ in subscriber.seqs(conn, queue)])
 

@@ -20,7 +20,7 @@ import psycopg
 from psycopg import sql
 
 from pgcascade.capture import tables as capture
-from pgcascade.core import catalog
+from pgcascade.core import catalog, pgconn
 from pgcascade.core.errors import UserError
 from pgcascade.core.pgconn import scalar
 from pgcascade.pgq import node as nodes
@@ -170,7 +170,7 @@ def add_tables(
     dest_table: str | None = None,
     allow_local_writes: bool = False,
     copy_node: str | None = None,
-    say: Callable[[str], None] = print,
+    say: Callable[[str], None] = lambda _line: None,
 ) -> list[str]:
     provided = capture.set_tables(prov, queue)
     wanted = list(provided) if all_tables else [catalog.canonical(prov, n) for n in names]
@@ -195,7 +195,7 @@ def add_tables(
             src = prov
             if copy_node is not None:
                 location = copy_source(conn, node, t, copy_node)
-                src = sources.enter_context(psycopg.connect(location, autocommit=True, connect_timeout=10))
+                src = sources.enter_context(pgconn.connect(location, autocommit=True))
             prov_cols = catalog.columns(src, t)
             if not catalog.table_exists(conn, dest):
                 if create_full:
@@ -204,7 +204,7 @@ def add_tables(
                     create_like_provider(conn, dest, prov_cols, provided[t])
                 else:
                     raise UserError(
-                        f"table {dest} does not exist on the subscriber (--create-full to make it)"
+                        f"table {dest} does not exist on the subscriber (--create or --create-full to make it)"
                     )
             elif not force:
                 diff = structure_difference(prov_cols, catalog.columns(conn, dest))
@@ -264,7 +264,7 @@ def check_copy_node(conn: psycopg.Connection, queue: str, name: str, wanted: lis
     location = nodes.locations(conn, queue).get(name)
     if location is None:
         raise UserError(f"--copy-node: {name} is not a node of set {queue}")
-    with psycopg.connect(location[0], autocommit=True, connect_timeout=10) as other:
+    with pgconn.connect(location[0], autocommit=True) as other:
         for t in wanted:
             why = node_holds(other, queue, t)
             if why:
@@ -280,7 +280,7 @@ def copy_source(conn: psycopg.Connection, node: nodes.Node, table: str, copy_nod
     if copy_node != FIND_COPY_NODE:
         return location
     for _ in range(64):  # the cascade's depth, with a bound against a loop
-        with psycopg.connect(location, autocommit=True, connect_timeout=10) as up:
+        with pgconn.connect(location, autocommit=True) as up:
             here = nodes.require_node(up, node.queue_name)
             if node_holds(up, node.queue_name, table) is None or here.provider_node is None:
                 return location
