@@ -67,6 +67,11 @@ class LondisteNode:
     def location(self) -> str:
         return self.locations[self.name][0]
 
+    @property
+    def to_copy(self) -> list[str]:
+        """Tables Londiste had not finished copying: their copy starts again."""
+        return [t.name for t in self.tables if not t.in_sync]
+
 
 def read_node(conn: psycopg.Connection, queue: str) -> LondisteNode:
     if not scalar(conn, "select to_regclass('londiste.table_info') is not null"):
@@ -105,7 +110,7 @@ def read_node(conn: psycopg.Connection, queue: str) -> LondisteNode:
 
 def plan(node: LondisteNode, target: str) -> list[str]:
     """What import-londiste would do here (--dry-run)."""
-    copies = [t.name for t in node.tables if not t.in_sync]
+    copies = node.to_copy
     lines = [
         f"node {node.name} ({node.node_type}) of queue {node.queue} becomes a pgcascade {node.node_type}"
         + (f" of {node.provider}" if node.provider else ""),
@@ -134,11 +139,16 @@ def drop_londiste_triggers(conn: psycopg.Connection, queue: str, table: str) -> 
         )
 
 
-def import_root(conn: psycopg.Connection, node: LondisteNode, say: Say) -> str:
-    queue = node.queue
+def install_here(conn: psycopg.Connection, queue: str) -> None:
+    """pgcascade's schema, in a database that is no pgcascade node of the set yet."""
     schema.install(conn)
     if nodes.get_node(conn, queue) is not None:
         raise UserError(f"this database is a pgcascade node of {queue} already")
+
+
+def import_root(conn: psycopg.Connection, node: LondisteNode, say: Say) -> str:
+    queue = node.queue
+    install_here(conn, queue)
     with conn.transaction():
         q.create_queue(conn, queue)
         nodes.insert_node(conn, queue, node.name, NodeType.ROOT)
@@ -210,8 +220,8 @@ def import_subscriber(conn: psycopg.Connection, node: LondisteNode, say: Say) ->
                 f"the Londiste worker of {node.name} applied PgQ tick {node.worker_last_tick}; it must apply"
                 f" {final} (the last one) before the import: run it until then, then stop it"
             )
-        keys = set_tables.set_tables(prov, queue)
         rows = set_tables.set_table_rows(prov, queue)
+        keys = {table: key for table, key, _ in rows}
         with prov.transaction():
             q.register_consumer_at(prov, queue, node.name, first)
             position = q.consumer_tick(prov, queue, node.name)
@@ -223,9 +233,7 @@ def import_subscriber(conn: psycopg.Connection, node: LondisteNode, say: Say) ->
     missing = [t.name for t in node.tables if t.name not in keys]
     if missing:
         raise UserError(f"the provider does not replicate {', '.join(missing)}")
-    schema.install(conn)
-    if nodes.get_node(conn, queue) is not None:
-        raise UserError(f"this database is a pgcascade node of {queue} already")
+    install_here(conn, queue)
     with conn.transaction():
         if node.node_type is NodeType.BRANCH:
             q.create_branch_queue(conn, queue, *position)
@@ -246,7 +254,6 @@ def import_subscriber(conn: psycopg.Connection, node: LondisteNode, say: Say) ->
         subscriber.follow_seqs(conn, queue, node.seqs)
         if node.node_type is NodeType.BRANCH:
             set_tables.follow_seqs(conn, queue, node.seqs)
-    copies = [t.name for t in node.tables if not t.in_sync]
-    note = f"; copied again: {', '.join(copies)}" if copies else ""
+    note = f"; copied again: {', '.join(node.to_copy)}" if node.to_copy else ""
     say(f"{node.name} continues from pgcascade tick {first} on {node.provider}")
     return f"{node.name} is a pgcascade {node.node_type} of {node.provider}, {len(node.tables)} tables{note}"

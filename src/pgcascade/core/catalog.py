@@ -131,19 +131,23 @@ class ColumnDefault:
     name: str
     default: str | None  # the expression (identity columns: None)
     sequence: str | None  # the sequence it draws from (identity, serial or nextval default)
+    owned: bool  # the sequence belongs to this column (serial, identity)
+    identity: bool
 
 
 def column_defaults(conn: psycopg.Connection, table: str) -> dict[str, ColumnDefault]:
     """How each column of `table` gets a value when an insert leaves it out."""
     rows = conn.execute(
         "select a.attname::text, pg_get_expr(d.adbin, d.adrelid),"
-        " coalesce(pg_get_serial_sequence(%s, a.attname),"
+        " coalesce(o.seq,"
         "  (select format('%%I.%%I', n.nspname, s.relname) from pg_depend dep"
         "   join pg_class s on s.oid = dep.refobjid and s.relkind = 'S'"
         "   join pg_namespace n on n.oid = s.relnamespace"
         "   where dep.classid = 'pg_attrdef'::regclass and dep.objid = d.oid"
-        "   and dep.refclassid = 'pg_class'::regclass limit 1))"
+        "   and dep.refclassid = 'pg_class'::regclass limit 1)),"
+        " o.seq is not null, a.attidentity <> ''"
         " from pg_attribute a left join pg_attrdef d on d.adrelid = a.attrelid and d.adnum = a.attnum"
+        " cross join lateral (select pg_get_serial_sequence(%s, a.attname) seq) o"
         " where a.attrelid = %s::regclass and a.attnum > 0 and not a.attisdropped and a.attgenerated = ''"
         " order by a.attnum",
         (table, table),

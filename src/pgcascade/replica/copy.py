@@ -110,10 +110,8 @@ class CopyProcess(Daemon):
             st = subscriber.get_table(self.sub, self.queue, self.table)
             # the copy and its catch-up read the copy node's queue (--copy-node): a branch
             # repeats the root's tick ids, so the hand-over to the worker is at the same tick
-            self.prov_location = (
-                subscriber.copy_source(self.sub, self.node, self.table, st.copy_node)
-                if st is not None
-                else nodes.provider_location(self.sub, self.node)
+            self.prov_location = subscriber.copy_source(
+                self.sub, self.node, self.table, st.copy_node if st is not None else None
             )
         if self.prov is None or self.prov.closed:
             self.prov = pgconn.connect(self.prov_location, autocommit=True, connect_timeout=10)

@@ -56,11 +56,16 @@ class TableDefinition:
     def read(cls, prov: psycopg.Connection, table: str) -> TableDefinition:
         with prov.transaction():
             prov.execute("set local search_path = pg_catalog")
+            defaults = catalog.column_defaults(prov, table)
             return cls(
                 table,
-                read_columns(prov, table),
-                read_sequences(prov, table),
-                read_identities(prov, table),
+                read_columns(prov, table, defaults),
+                read_sequences(prov, defaults),
+                [
+                    (d.name, *sequence_state(prov, d.sequence))
+                    for d in defaults.values()
+                    if d.identity and d.sequence
+                ],
                 read_constraints(prov, "con.conrelid = %s::regclass", table),
                 read_constraints(
                     prov,
@@ -128,27 +133,30 @@ def add_constraint(conn: psycopg.Connection, owner: str, c: Constraint) -> None:
     conn.execute(add)
 
 
-def read_columns(prov: psycopg.Connection, table: str) -> list[str]:
+def read_columns(
+    prov: psycopg.Connection, table: str, defaults: dict[str, catalog.ColumnDefault]
+) -> list[str]:
     rows = prov.execute(
-        "select quote_ident(a.attname), format_type(a.atttypid, a.atttypmod),"
+        "select a.attname, quote_ident(a.attname), format_type(a.atttypid, a.atttypmod),"
         " case when a.attcollation <> t.typcollation then format(' collate %%I.%%I', cn.nspname, co.collname) else '' end,"
-        " a.attidentity, a.attgenerated, pg_get_expr(d.adbin, d.adrelid), a.attnotnull,"
-        " pg_get_serial_sequence(%s, a.attname)"
+        " a.attidentity, a.attgenerated, pg_get_expr(d.adbin, d.adrelid), a.attnotnull"
         " from pg_attribute a join pg_type t on t.oid = a.atttypid"
         " left join pg_attrdef d on d.adrelid = a.attrelid and d.adnum = a.attnum"
         " left join pg_collation co on co.oid = a.attcollation"
         " left join pg_namespace cn on cn.oid = co.collnamespace"
         " where a.attrelid = %s::regclass and a.attnum > 0 and not a.attisdropped order by a.attnum",
-        (table, table),
+        (table,),
     ).fetchall()
     out = []
-    for name, typ, collate, identity, generated, default, not_null, identity_seq in rows:
+    for attname, name, typ, collate, identity, generated, default, not_null in rows:
         col = f"{name} {typ}{collate}"
         if generated:
             col += f" generated always as ({default}) stored"
         elif identity:
             kind = "always" if identity == "a" else "by default"
-            col += f" generated {kind} as identity ({sequence_options(prov, identity_seq, False)})"
+            seq = defaults[attname].sequence
+            assert seq is not None
+            col += f" generated {kind} as identity ({sequence_options(prov, seq, False)})"
         elif default is not None:
             col += f" default {default}"
         out.append(col + (" not null" if not_null else ""))
@@ -171,40 +179,22 @@ def sequence_options(prov: psycopg.Connection, seq: str, with_type: bool = True)
     )
 
 
-def read_sequences(prov: psycopg.Connection, table: str) -> list[SequenceDef]:
+def read_sequences(prov: psycopg.Connection, defaults: dict[str, catalog.ColumnDefault]) -> list[SequenceDef]:
     """Sequences the column defaults use (not identity columns': those come with the column)."""
-    rows = prov.execute(
-        "select distinct format('%%I.%%I', n.nspname, s.relname), s.oid,"
-        " (select a.attname from pg_depend o join pg_attribute a"
-        "   on a.attrelid = o.refobjid and a.attnum = o.refobjsubid"
-        "   where o.classid = 'pg_class'::regclass and o.objid = s.oid and o.deptype = 'a'"
-        "   and o.refobjid = %s::regclass)"
-        " from pg_attrdef ad join pg_depend d on d.classid = 'pg_attrdef'::regclass and d.objid = ad.oid"
-        " and d.refclassid = 'pg_class'::regclass"
-        " join pg_class s on s.oid = d.refobjid and s.relkind = 'S'"
-        " join pg_namespace n on n.oid = s.relnamespace"
-        " where ad.adrelid = %s::regclass order by 1",
-        (table, table),
-    ).fetchall()
-    out = []
-    for name, _, owner in rows:
-        value = prov.execute(f"select last_value, is_called from {name}".encode()).fetchone()
-        assert value is not None
-        out.append(SequenceDef(name, sequence_options(prov, name), value[0], value[1], owner))
-    return out
+    out: dict[str, SequenceDef] = {}
+    for d in defaults.values():
+        if d.sequence and not d.identity and d.sequence not in out:
+            last, called = sequence_state(prov, d.sequence)
+            owner = d.name if d.owned else None
+            out[d.sequence] = SequenceDef(d.sequence, sequence_options(prov, d.sequence), last, called, owner)
+    return sorted(out.values(), key=lambda s: s.name)
 
 
-def read_identities(prov: psycopg.Connection, table: str) -> list[tuple[str, int, bool]]:
-    out = []
-    for col, seq in prov.execute(
-        "select attname, pg_get_serial_sequence(%s, attname) from pg_attribute"
-        " where attrelid = %s::regclass and attidentity <> '' and not attisdropped",
-        (table, table),
-    ).fetchall():
-        value = prov.execute(f"select last_value, is_called from {seq}".encode()).fetchone()
-        assert value is not None
-        out.append((col, value[0], value[1]))
-    return out
+def sequence_state(prov: psycopg.Connection, seq: str) -> tuple[int, bool]:
+    """(last_value, is_called): what setval() takes to put a copy at the same place."""
+    row = prov.execute(f"select last_value, is_called from {seq}".encode()).fetchone()
+    assert row is not None
+    return row[0], row[1]
 
 
 def read_constraints(prov: psycopg.Connection, where: str, table: str) -> list[Constraint]:
