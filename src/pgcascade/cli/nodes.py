@@ -14,15 +14,23 @@ from pgcascade.pgq.node import NodeType
 
 
 @click.command()
+@click.option(
+    "--pgq-compat",
+    is_flag=True,
+    help="Also create the pgq schema: PgQ 3's SQL API on pgcascade's queue (not where PgQ is installed).",
+)
 @pass_ctx
-def install(ctx: Context) -> None:
+def install(ctx: Context, pgq_compat: bool) -> None:
     """Install or upgrade pgcascade's schema in the job's database."""
     with ctx.connect() as conn:
-        before, after = schema.install(conn)
+        before, after = schema.install(conn, pgq_compat=pgq_compat)
+        compat = schema.pgq_schema_owner(conn) == "pgcascade"
     if before == after:
         click.echo(f"pgcascade schema is at version {after}; functions refreshed")
     else:
         click.echo(f"pgcascade schema upgraded from version {before} to {after}")
+    if compat:
+        click.echo("pgq compatibility schema installed (PgQ 3 API on pgcascade's queue)")
 
 
 @click.command("create-root")

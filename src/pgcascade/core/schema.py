@@ -9,6 +9,10 @@ The schema lives in versioned files shipped with the package:
   functions of this release.  Their number prefixes order them across the directories (a SQL
   function's body may call only functions made before it).
 
+- `sql/pgqcompat` is the `pgq` compatibility schema (PgQ 3's SQL API on pgcascade's queue,
+  docs/pgq-compat.md).  It is applied by `install --pgq-compat`, and again by every later install
+  of a database that has it.  A database where a real PgQ owns the schema `pgq` is refused.
+
 Everything happens in one transaction under an advisory lock: two installers never interleave,
 and a failed upgrade leaves the database as it was.
 """
@@ -20,6 +24,8 @@ from dataclasses import dataclass
 from importlib import resources
 
 import psycopg
+
+from pgcascade.core.errors import UserError
 
 INSTALL_LOCK_KEY = 0x70676361  # "pgca": the advisory lock that serializes installers
 
@@ -54,6 +60,25 @@ def function_files() -> list[tuple[str, str]]:
 
 LATEST_VERSION = migrations()[-1].version
 
+PGQ_COMPAT_DIR = "pgqcompat"
+# the comment the compatibility schema carries: tells it from a real PgQ's schema pgq
+PGQ_COMPAT_MARK = "pgcascade: PgQ 3 compatibility API on the pgcascade queue"
+
+
+def pgq_compat_files() -> list[tuple[str, str]]:
+    entries = [e for e in _sql_dir(PGQ_COMPAT_DIR).iterdir() if e.name.endswith(".sql")]
+    return [(e.name, e.read_text()) for e in sorted(entries, key=lambda e: e.name)]
+
+
+def pgq_schema_owner(conn: psycopg.Connection) -> str | None:
+    """Who owns the schema `pgq` here: 'pgcascade', 'pgq' (a real PgQ) or None (no such schema)."""
+    row = conn.execute(
+        "select obj_description(oid, 'pg_namespace') from pg_namespace where nspname = 'pgq'"
+    ).fetchone()
+    if row is None:
+        return None
+    return "pgcascade" if row[0] == PGQ_COMPAT_MARK else "pgq"
+
 
 def installed_version(conn: psycopg.Connection) -> int:
     """The schema version in the database: 0 when pgcascade is not installed."""
@@ -65,10 +90,14 @@ def installed_version(conn: psycopg.Connection) -> int:
 
 
 def install(
-    conn: psycopg.Connection, target: int | None = None, with_functions: bool = True
+    conn: psycopg.Connection,
+    target: int | None = None,
+    with_functions: bool = True,
+    pgq_compat: bool = False,
 ) -> tuple[int, int]:
     """Bring the schema to `target` (default: the latest); returns (version before, version after).
 
+    `pgq_compat` adds the `pgq` compatibility schema; a database that has it keeps it up to date.
     `target` below the latest and `with_functions=False` exist to build old versions in tests.
     """
     target = LATEST_VERSION if target is None else target
@@ -95,4 +124,13 @@ def install(
         if with_functions:
             for _name, sql in function_files():
                 conn.execute(sql.encode())
+            owner = pgq_schema_owner(conn)
+            if pgq_compat and owner == "pgq":
+                raise UserError(
+                    "this database has a real PgQ (schema pgq): the pgq compatibility schema "
+                    "can only go where PgQ is not installed (drop PgQ first, e.g. after import-londiste)"
+                )
+            if pgq_compat or owner == "pgcascade":
+                for _name, sql in pgq_compat_files():
+                    conn.execute(sql.encode())
         return before, max(before, target)
