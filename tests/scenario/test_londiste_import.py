@@ -162,6 +162,24 @@ def test_a_live_londiste_set_moves_to_pgcascade_without_a_copy(tmp_path: Path, m
         # every table stayed in state ok: nothing was copied again
         r = run_cli(str(pgc["leaf"]), "tables")
         assert r.stdout.count(" ok") == 4, r.stdout
+        # Londiste and PgQ go (leaf, then root); the root keeps PgQ's API on pgcascade's queue
+        stop(pgqd)
+        r = run_cli(str(pgc["leaf"]), "drop-londiste")
+        assert r.returncode == 0 and "dropped londiste, pgq_node, pgq" in r.stdout, r.stderr
+        r = run_cli(str(pgc["root"]), "drop-londiste", "--pgq-compat")
+        assert r.returncode == 0 and "dropped londiste, pgq_node, pgq" in r.stdout, r.stderr
+        with root.connect() as conn:
+            assert (
+                conn.execute("select count(*) from pg_extension where extname like 'pgq%'").fetchone()[0] == 0
+            )
+            assert conn.execute("select pgq.version()").fetchone()[0] == "3.5"
+            conn.execute("update pgbench_accounts set abalance = abalance + 1 where aid <= 100")
+        # replication goes on without them
+        wait_until(
+            lambda: table_checksum(root, "pgbench_accounts") == table_checksum(leaf, "pgbench_accounts"),
+            60,
+            what="the leaf to apply a change made after Londiste was dropped",
+        )
     finally:
         for p in (worker, pgqd):
             stop(p)

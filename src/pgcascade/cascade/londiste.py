@@ -257,3 +257,64 @@ def import_subscriber(conn: psycopg.Connection, node: LondisteNode, say: Say) ->
     note = f"; copied again: {', '.join(node.to_copy)}" if node.to_copy else ""
     say(f"{node.name} continues from pgcascade tick {first} on {node.provider}")
     return f"{node.name} is a pgcascade {node.node_type} of {node.provider}, {len(node.tables)} tables{note}"
+
+
+LONDISTE_EXTENSIONS = ("londiste", "pgq_node", "pgq")  # dependents first
+
+
+def pgq_consumers_behind(conn: psycopg.Connection) -> list[str]:
+    """PgQ registrations (queue/consumer) that have not reached their queue's last tick: events
+    they have not read yet would go with PgQ.  pgq_node's watermark registrations do not count."""
+    rows = conn.execute(
+        "select q.queue_name || '/' || c.co_name from pgq.subscription s"
+        "  join pgq.queue q on q.queue_id = s.sub_queue join pgq.consumer c on c.co_id = s.sub_consumer"
+        " where s.sub_last_tick < (select max(t.tick_id) from pgq.tick t where t.tick_queue = s.sub_queue)"
+        "   and c.co_name not like '.%%'"  # pgq_node's own watermarks, gone with it
+        " order by 1"
+    ).fetchall()
+    return [r[0] for r in rows]
+
+
+def drop_londiste(conn: psycopg.Connection, queue: str, force: bool) -> list[str]:
+    """Drop Londiste 3's and PgQ's extensions from an imported node; returns what was dropped.
+
+    Refused on a node that was not imported (its replication still runs through Londiste), while
+    a PgQ consumer has events left to read (unless `force`), and where Londiste or PgQ were
+    installed as plain schemas (their objects are not known well enough to drop them here).
+    """
+    installed = {
+        r[0]
+        for r in conn.execute(
+            "select extname from pg_extension where extname = any(%s)", (list(LONDISTE_EXTENSIONS),)
+        )
+    }
+    schemas = {
+        r[0]
+        for r in conn.execute(
+            "select nspname from pg_namespace where nspname = any(%s)", (list(LONDISTE_EXTENSIONS),)
+        )
+    }
+    if schemas - installed:
+        raise UserError(
+            f"schema(s) {', '.join(sorted(schemas - installed))} are not extensions here: drop them by hand"
+        )
+    if not installed:
+        return []
+    if nodes.get_node(conn, queue) is None:
+        raise UserError(
+            f"{queue} was not imported here (import-londiste first): Londiste still replicates it"
+        )
+    behind = pgq_consumers_behind(conn) if "pgq" in installed else []
+    if behind and not force:
+        raise UserError(f"PgQ consumers have events left to read: {', '.join(behind)} (--force drops them)")
+    try:
+        with conn.transaction():
+            for ext in LONDISTE_EXTENSIONS:
+                if ext == "pgq" and ext in installed:  # its queues' tables are not the extension's
+                    conn.execute("select pgq.drop_queue(queue_name, true) from pgq.queue")
+                if ext in installed:
+                    conn.execute(sql.SQL("drop extension {}").format(sql.Identifier(ext)))
+    except psycopg.errors.DependentObjectsStillExist as e:
+        detail = "; ".join((e.diag.message_detail or "").splitlines()[:3])
+        raise UserError(f"{e.diag.message_primary}: {detail} (drop or move those first)") from None
+    return [e for e in LONDISTE_EXTENSIONS if e in installed]

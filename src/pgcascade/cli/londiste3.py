@@ -1,4 +1,5 @@
-"""Moving a Londiste 3 set to pgcascade: import-londiste (cascade/londiste.py does the work)."""
+"""Moving a Londiste 3 set to pgcascade: import-londiste, then drop-londiste (cascade/londiste.py
+does the work)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import click
 
 from pgcascade.cascade import londiste
 from pgcascade.cli.context import Context, pass_ctx, say
+from pgcascade.core import schema
 from pgcascade.core.daemon import pid_alive, read_pid
 from pgcascade.core.errors import UserError
 from pgcascade.core.pgconn import scalar
@@ -67,4 +69,23 @@ def import_londiste(ctx: Context, londiste_ini: Path, dry_run: bool) -> None:
             click.echo(londiste.import_subscriber(conn, node, say))
 
 
-COMMANDS = [import_londiste]
+@click.command("drop-londiste")
+@click.option(
+    "--force", is_flag=True, help="Drop PgQ even while some of its consumers have events left to read."
+)
+@click.option(
+    "--pgq-compat", is_flag=True, help="Then create the pgq compatibility schema (PgQ's API on pgcascade)."
+)
+@pass_ctx
+def drop_londiste(ctx: Context, force: bool, pgq_compat: bool) -> None:
+    """Drop Londiste 3 and PgQ (the londiste, pgq_node and pgq extensions) from this imported node."""
+    with ctx.connect() as conn:
+        dropped = londiste.drop_londiste(conn, ctx.queue(), force)
+        if pgq_compat:
+            schema.install(conn, pgq_compat=True)
+    click.echo(f"dropped {', '.join(dropped)}" if dropped else "no Londiste or PgQ here")
+    if pgq_compat:
+        click.echo("pgq compatibility schema installed (PgQ 3 API on pgcascade's queue)")
+
+
+COMMANDS = [import_londiste, drop_londiste]

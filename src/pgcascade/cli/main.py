@@ -58,7 +58,7 @@ VERBS = {
     **dict.fromkeys(["queue", "status", "config", "serve"], "queues"),
     **dict.fromkeys(["compare", "repair", "spark-server", "sink"], "pipeline"),
     **dict.fromkeys(["provider", "subscriber", "replay"], "londiste2"),
-    "import-londiste": "londiste3",
+    **dict.fromkeys(["import-londiste", "drop-londiste"], "londiste3"),
     "demo": "demo",
     "completion": "shell",
 }
