@@ -437,11 +437,15 @@ def test_skytools_consumer_reads_a_pgcascade_queue_ticked_by_pgqd_exactly_once(m
             oldest_tick = conn.execute("select min(tick_id) from pgq.tick").fetchone()[0]
             last_tick = conn.execute("select max(tick_id) from pgq.tick").fetchone()[0]
             retried = conn.execute("select count(*) from got where retry = 1").fetchone()[0]
+            # an event came back from the retry queue exactly when its id asked for it
+            misrouted = conn.execute(
+                "select count(*) from got where (ev_id % 7 = 0) <> (retry is not distinct from 1)"
+            ).fetchone()[0]
     finally:
         stop(recorder)
         stop(pgqd)
     assert {r[0] for r in rows} == {f"payload {i}" for i in range(sent)}
     assert all(r[1] == 1 for r in rows), [r for r in rows if r[1] != 1][:5]
-    assert retried == len([i for i in range(1, sent + 1) if i % 7 == 0])  # came back through pgqd's retry
+    assert retried > sent // 10 and misrouted == 0  # retried events came back through pgqd's retry
     assert last_tick > 20, "pgqd ticks the queue"
     assert oldest_tick > 1, "pgqd's maintenance cleans up the ticks the consumer has passed"
