@@ -168,6 +168,8 @@ def test_a_live_londiste_set_moves_to_pgcascade_without_a_copy(tmp_path: Path, m
         assert r.returncode == 0 and "dropped londiste, pgq_node, pgq" in r.stdout, r.stderr
         r = run_cli(str(pgc["root"]), "drop-londiste", "--pgq-compat")
         assert r.returncode == 0 and "dropped londiste, pgq_node, pgq" in r.stdout, r.stderr
+        r = run_cli(str(pgc["root"]), "drop-londiste")  # again: the pgq schema left is pgcascade's
+        assert r.returncode == 0 and "no Londiste or PgQ here" in r.stdout, r.stderr
         with root.connect() as conn:
             assert (
                 conn.execute("select count(*) from pg_extension where extname like 'pgq%'").fetchone()[0] == 0

@@ -269,7 +269,7 @@ def pgq_consumers_behind(conn: psycopg.Connection) -> list[str]:
         "select q.queue_name || '/' || c.co_name from pgq.subscription s"
         "  join pgq.queue q on q.queue_id = s.sub_queue join pgq.consumer c on c.co_id = s.sub_consumer"
         " where s.sub_last_tick < (select max(t.tick_id) from pgq.tick t where t.tick_queue = s.sub_queue)"
-        "   and c.co_name not like '.%%'"  # pgq_node's own watermarks, gone with it
+        "   and c.co_name not like '.%'"  # pgq_node's own watermarks, gone with it
         " order by 1"
     ).fetchall()
     return [r[0] for r in rows]
@@ -294,6 +294,8 @@ def drop_londiste(conn: psycopg.Connection, queue: str, force: bool) -> list[str
             "select nspname from pg_namespace where nspname = any(%s)", (list(LONDISTE_EXTENSIONS),)
         )
     }
+    if schema.pgq_schema_owner(conn) == "pgcascade":
+        schemas.discard("pgq")  # the compatibility schema: pgcascade's own
     if schemas - installed:
         raise UserError(
             f"schema(s) {', '.join(sorted(schemas - installed))} are not extensions here: drop them by hand"
