@@ -326,7 +326,7 @@ def test_what_differs_from_pgq_on_purpose(real_and_compat, tmp_path: Path, write
         tables = [r[0] for r in conn.execute("select * from pgq.batch_event_tables(%s)", (batch,))]
         assert tables == ["pgcascade.event_1_1", "pgcascade.event_1_2", "pgcascade.event_1_0"]
         for t in tables:
-            assert conn.execute(f"select count(*) from {t}").fetchone()[0] >= 0
+            assert conn.execute("select to_regclass(%s)", (t,)).fetchone()[0] is not None
         assert conn.execute("select pgq.current_event_table('dq')").fetchone()[0] == "pgcascade.event_1_0"
         # pgqd also runs pgcascade's upkeep: tick cleanup and the cascade's global watermark
         ops = conn.execute(

@@ -123,6 +123,7 @@ declare
     v_names text[];
     v_keys text[];
     v_types regtype[];
+    v_values_sql text;
     v_newv text[];
     v_oldv text[];
     v_tab text := (select quote_ident(n.nspname) || '.' || quote_ident(c.relname)
@@ -170,14 +171,12 @@ begin
                 return not v_skip;
             end if;
         end if;
-        execute format('select array[%s]::text[]',
-                       (select string_agg(format('case when num_nulls(($1).%1$I) = 0 then format(''%%s'', ($1).%1$I) end', n), ', ')
-                          from unnest(v_names) n))
-           into v_newv using i_new;
-        execute format('select array[%s]::text[]',
-                       (select string_agg(format('case when num_nulls(($1).%1$I) = 0 then format(''%%s'', ($1).%1$I) end', n), ', ')
-                          from unnest(v_names) n))
-           into v_oldv using i_old;
+        -- the columns' values as their output functions write them, for both rows: one statement
+        v_values_sql := format('select array[%s]::text[]',
+                               (select string_agg(format('case when num_nulls(($1).%1$I) = 0 then format(''%%s'', ($1).%1$I) end', n), ', ')
+                                  from unnest(v_names) n));
+        execute v_values_sql into v_newv using i_new;
+        execute v_values_sql into v_oldv using i_old;
         if v_op = 'U' then
             if v_ignore is not null and v_newv is not distinct from v_oldv then
                 return not v_skip;  -- only ignored columns changed
