@@ -15,7 +15,7 @@ python_only=false
 # iproute2: the Spark cluster tests' second host (a network namespace and a veth pair)
 # postgresql-15-pgq3 ... python3-londiste: the real PgQ and Londiste 3 that the drop-in tests migrate from
 DEB_PACKAGES=(postgresql-15 postgresql-client-15 openjdk-17-jre-headless libpostgresql-jdbc-java chromium python3-venv iproute2
-  postgresql-15-pgq3 pgqd postgresql-15-pgq-node postgresql-15-londiste-sql python3-londiste)
+  postgresql-15-pgq3 pgqd postgresql-15-pgq-node postgresql-15-londiste-sql python3-londiste python3-pgq)
 
 missing=()
 $python_only && DEB_PACKAGES=(python3-venv)
