@@ -196,6 +196,11 @@ CONFIG_ERRORS = {
         "-d needs logfile and pidfile",
     ),
     "-s without pidfile": ("[pgcascade]\njob_name = x\n", ("ticker", "{ini}", "-s"), "pidfile is not set"),
+    "--sync-watermark with a hole": (
+        "[pgcascade]\njob_name = x\ndb = dbname=x\n",
+        ("{ini}", "create-leaf", "l", "--provider", "dbname=y", "--sync-watermark", "a,,b"),
+        "give node names separated by commas, each once",
+    ),
 }
 
 

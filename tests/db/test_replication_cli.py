@@ -453,6 +453,7 @@ def test_usage_errors_exit_2_with_one_line(replica, tmp_path):
         (("add-table", "public.nosuch"), "not replicated by the provider"),
         (("add-table", "public.a", "--key=id"), "set on the root"),
         (("add-table", "public.a", "--format=sql"), "set on the root"),
+        (("add-table", "public.a", "--merge-all"), "is for a merge-leaf"),
         (("remove-table", "public.a"), "not replicated here"),
         (("resync", "public.a"), "not replicated here"),
         (("execute", str(tmp_path / "leaf.ini")), "root"),

@@ -659,15 +659,26 @@ def test_combined_partitions_with_the_combined_root_lost(cascade, make_db, priva
         c.cli(name, "create-root", name)
     c.cli("a1", "add-table", "orders", "log")
     c.cli("b1", "add-table", "orders", "log")
+
+    def merge_leaf(leaf: str, part_root: str) -> None:  # with Londiste's flag, which always holds here
+        synced = f"c_{part_root[0]},f_{part_root[0]}"
+        r = c.cli(leaf, "create-leaf", leaf, "--provider", dbs[part_root].connstr, "--merge", "combined",
+                  "--sync-watermark", synced)  # fmt: skip
+        assert "keeps its events until every subscriber has them" in r.stdout, r.stdout
+
     for leaf, part_root in (("c_a", "a1"), ("c_b", "b1")):
-        c.cli(leaf, "create-leaf", leaf, "--provider", dbs[part_root].connstr, "--merge", "combined")
-        c.cli(leaf, "add-table", "orders", "log", "--skip-truncate")
+        merge_leaf(leaf, part_root)
+    r = c.cli("c_a", "add-table", "orders", "log", "--skip-truncate", "--merge-all")  # c_b's too
+    assert "orders (part_b)" in r.stdout, r.stdout
     for name in ("f", "s3"):
         c.cli(name, "create-branch", name, "--provider", dbs["c"].connstr)
         c.cli(name, "add-table", "orders", "log")
     for leaf, part_root in (("f_a", "a1"), ("f_b", "b1")):
-        c.cli(leaf, "create-leaf", leaf, "--provider", dbs[part_root].connstr, "--merge", "combined")
-        c.cli(leaf, "add-table", "orders", "log", "--expect-sync")
+        merge_leaf(leaf, part_root)
+    c.cli("f_b", "add-table", "orders", "log", "--expect-sync", "--merge-all")
+    for leaf in ("c_b", "f_a"):  # subscribed by --merge-all from their sibling
+        listed = [line.split()[0] for line in c.cli(leaf, "tables").stdout.splitlines()]
+        assert sorted(listed) == ["public.log", "public.orders"], (leaf, listed)
     for db in ("a1", "b1", "c", "f", "s3"):
         c.start_ticker(db)
     for job in jobs:

@@ -75,15 +75,47 @@ def create_subscriber(
     return created
 
 
+# Londiste's --sync-watermark makes the listed nodes hold the provider's history until the
+# slowest of them has it (pgq_node leaves do not hold it otherwise). Here every subscriber,
+# leaves included, reports its watermark up the set, so the option always holds: accepted so
+# Londiste command lines run unchanged, its node list checked.
+SYNC_WATERMARK = click.option(
+    "--sync-watermark",
+    metavar="NODES",
+    help="Londiste's: keep the provider's events until these nodes have them (always so here).",
+)
+
+
+def sync_watermark_nodes(value: str | None) -> list[str]:
+    if value is None:
+        return []
+    names = [n.strip() for n in value.split(",")]
+    if not all(names) or len(set(names)) != len(names):
+        raise UserError(f"--sync-watermark {value!r}: give node names separated by commas, each once")
+    return names
+
+
+def echo_synced(names: list[str]) -> None:
+    if names:
+        click.echo(
+            f"the provider keeps its events until every subscriber has them ({', '.join(names)} included)"
+        )
+
+
 @click.command("create-branch")
 @click.argument("node_name")
 @click.argument("location", required=False)
 @click.option("--provider", "provider", required=True, help="Connection string of the provider node.")
+@SYNC_WATERMARK
 @pass_ctx
-def create_branch(ctx: Context, node_name: str, location: str | None, provider: str) -> None:
+def create_branch(
+    ctx: Context, node_name: str, location: str | None, provider: str, sync_watermark: str | None
+) -> None:
     """Make this database a branch: it replays and carries the provider's queue."""
+    synced = sync_watermark_nodes(sync_watermark)
     created = create_subscriber(ctx, NodeType.BRANCH, node_name, location, provider)
     click.echo(f"branch {node_name} of {ctx.queue()}: {'created' if created else 'exists already'}")
+    echo_synced(synced)
 
 
 @click.command("create-leaf")
@@ -93,11 +125,21 @@ def create_branch(ctx: Context, node_name: str, location: str | None, provider: 
 @click.option(
     "--merge", help="A merge-leaf: also write the changes into this combined queue (a set rooted here)."
 )
+@SYNC_WATERMARK
 @pass_ctx
-def create_leaf(ctx: Context, node_name: str, location: str | None, provider: str, merge: str | None) -> None:
+def create_leaf(
+    ctx: Context,
+    node_name: str,
+    location: str | None,
+    provider: str,
+    merge: str | None,
+    sync_watermark: str | None,
+) -> None:
     """Make this database a leaf of the set, fed by the provider."""
+    synced = sync_watermark_nodes(sync_watermark)
     created = create_subscriber(ctx, NodeType.LEAF, node_name, location, provider, merge)
     click.echo(f"leaf {node_name} of {ctx.queue()}: {'created' if created else 'exists already'}")
+    echo_synced(synced)
 
 
 COMMANDS = [install, create_root, create_branch, create_leaf]
