@@ -356,7 +356,7 @@ class PgCascade(System):
         text = self.log_text()[offset:]
         return [
             (int(m.group(1)), float(m.group(3)))
-            for m in re.finditer(r"(?<!: )\{count: (\d+), ignored: (\d+), duration: ([0-9.]+)\}", text)
+            for m in re.finditer(r"(?<!: )\{count: (\d+), ignored: (\d+), duration: ([0-9.]+)[,}]", text)
         ]
 
 

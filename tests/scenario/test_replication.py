@@ -94,7 +94,9 @@ def test_pgbench_replicates_to_equality_while_copying(bench_replica):
     out = r.cli("leaf", "tables").stdout
     assert out.count(" ok") == 4, out
     log = r.log()
-    assert re.search(r"\{count: \d+, ignored: \d+, duration: [\d.]+\}", log)
+    assert re.search(
+        r"\{count: \d+, ignored: \d+, duration: [\d.]+, prepare: [\d.]+, stage: [\d.]+, apply", log
+    )
     for state in ("catching-up", "wanna-sync", "do-sync", "ok"):
         assert state in log, f"the log never mentions {state}"
 

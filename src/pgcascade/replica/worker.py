@@ -62,6 +62,22 @@ def batch_cap(tables: list[subscriber.SubscriberTable], applied: int | None) -> 
     return min((c for c in caps if c > (applied or 0)), default=None)
 
 
+class BatchPhases:
+    """Where a batch's time went, for its stats line: seconds per phase, in order."""
+
+    def __init__(self, started: float):
+        self.last = started
+        self.seconds: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        now = time.monotonic()
+        self.seconds[phase] = now - self.last
+        self.last = now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{k}: {v:.3f}" for k, v in self.seconds.items())
+
+
 class Worker(Daemon):
     name = "worker"
 
@@ -80,6 +96,7 @@ class Worker(Daemon):
         self.copies = CopyLauncher(cfg, self.queue, bulk)
         self.prov_node: str | None = None  # the provider self.prov is connected to
         self.next_watermark = 0.0
+        self.phases = BatchPhases(0.0)
 
     def reload(self) -> None:
         self.copies.cfg = self.cfg
@@ -169,6 +186,7 @@ class Worker(Daemon):
     ) -> None:
         started = time.monotonic()
         appliers = self.appliers_for(sub, prov, tables)
+        self.phases = BatchPhases(started)
         with sub.transaction():
             sub.execute(APPLY_SETTINGS)
             now = nodes.lock_node(sub, self.queue)
@@ -190,11 +208,19 @@ class Worker(Daemon):
             q.resume_at(prov, self.queue, node.consumer, now.last_tick)
             return
         assert info.batch_id is not None and info.cur_tick_id is not None
+        self.phases.mark("commit")
         q.finish_batch(prov, info.batch_id)
+        self.phases.mark("finish")
         if stats.executed:
             self.applier_key = ()  # DDL ran: read the tables' definitions again
         duration = time.monotonic() - started
-        log.info("{count: %d, ignored: %d, duration: %.3f}", stats.count, stats.ignored, duration)
+        log.info(
+            "{count: %d, ignored: %d, duration: %.3f, %s}",
+            stats.count,
+            stats.ignored,
+            duration,
+            self.phases,
+        )
         if self.metrics:
             labels = (self.queue, node.node_name)
             metrics.BATCHES.labels(*labels).inc()
@@ -214,12 +240,15 @@ class Worker(Daemon):
         """Inside the batch's transaction: stage, carry (a branch), apply, record the tick."""
         assert info.batch_id is not None and info.cur_tick_id is not None
         carry = node.role.copies_events or bool(node.combined_queue)
+        self.phases.mark("prepare")
         stage_batch(prov, sub, info.batch_id, carry=carry)
+        self.phases.mark("stage")
         if node.combined_queue:
             self.drop_partition_truncates(sub)
         elif carry:
             q.carry_events(sub, self.queue, STAGE_TABLE)
         stats = apply_staged(sub, appliers, queue=self.queue)
+        self.phases.mark("apply")
         if node.combined_queue:
             merge_staged(sub, node.combined_queue, self.queue, info.cur_tick_id, list(appliers))
         if stats.table_list is not None:
@@ -230,6 +259,7 @@ class Worker(Daemon):
             q.branch_tick(sub, self.queue, info.cur_tick_id, info.cur_tick_time, info.cur_tick_event_seq)
         nodes.record_applied(sub, self.queue, info.cur_tick_id)
         subscriber.sync_sequences(prov, sub, self.queue)
+        self.phases.mark("record")
         return stats
 
     # --- a merge-leaf (combined partitions) ---
