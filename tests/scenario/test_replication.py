@@ -255,6 +255,74 @@ def test_pgbench_backlog_is_caught_up_in_merged_batches(bench_replica):
     assert max(counts) >= 6000, "a worker behind should apply several ticks per batch"
 
 
+def leaf_ticks(r) -> tuple[int, dict[str, int | None]]:
+    with r.leaf.connect() as conn:
+        last = conn.execute("select last_tick from pgcascade.node").fetchone()[0]
+        marks = dict(
+            conn.execute("select table_name, applied_tick from pgcascade.subscriber_table").fetchall()
+        )
+    return last, marks
+
+
+def test_parallel_apply_killed_between_lanes_and_node_applies_once(bench_replica):
+    """apply_connections = 2: a backlog goes on two lanes, tables a foreign key joins on one.
+    SIGKILLed after the lanes committed and before the node moved, the worker's restart applies
+    the rest once; killed at random under load, nothing is lost or doubled; a batch holding a
+    TRUNCATE between row events goes serially, in order."""
+    r = bench_replica
+    r.ini("leaf", r.leaf, apply_connections=2, parallel_apply_min_events=200)
+    with r.leaf.connect() as conn:  # history and tellers must commit together
+        conn.execute("alter table pgbench_history add foreign key (tid) references pgbench_tellers not valid")
+    r.start_ticker()
+    worker = r.start_worker()
+    r.wait_sync()
+    r.daemons.kill(worker)
+    load = pgbench(r.root, "-N", "-c", "2", "-j", "2", "-t", "2000")
+    assert load.wait(timeout=120) == 0, load.stderr.read()
+    pause = {"PGCASCADE_PAUSE_AT": "lanes-committed", "PGCASCADE_PAUSE_MIN_EVENTS": "1000"}
+    worker = r.start_worker(env={**pause, "PGCASCADE_PAUSE_SECONDS": "120"})
+    wait_until(lambda: "pause point lanes-committed" in r.log(), 60, what="the lanes to commit")
+    r.daemons.kill(worker)
+    last, marks = leaf_ticks(r)
+    ahead = {t for t, m in marks.items() if m is not None and m > last}
+    assert {"public.pgbench_accounts", "public.pgbench_history"} <= ahead, (last, marks)
+    lanes = re.findall(r"lane (\S+): \{count: (\d+)", r.log())
+    assert len(lanes) >= 2 and all(int(n) > 0 for _, n in lanes[-2:]), lanes
+    history_lane = next(tables for tables, _ in lanes[-2:] if "public.pgbench_history" in tables)
+    assert "public.pgbench_tellers" in history_lane.split(","), lanes
+
+    worker = r.start_worker()
+    r.wait_sync()
+    r.assert_equal(*PGBENCH_TABLES)
+    assert_applied_once(r)
+
+    load = pgbench(r.root, "-c", "2", "-j", "2", "-T", "12", "-R", "400")
+    rng = random.Random(11)
+    for _ in range(8):
+        time.sleep(rng.uniform(0.3, 1.2))
+        r.daemons.kill(worker)
+        time.sleep(rng.uniform(0.0, 0.6))  # a backlog: the restart takes it on two lanes
+        worker = r.start_worker()
+    assert load.wait(timeout=60) == 0, load.stderr.read()
+    r.wait_sync()
+    r.assert_equal(*PGBENCH_TABLES)
+    assert_applied_once(r)
+
+    r.daemons.kill(worker)
+    with r.root.connect() as conn:
+        conn.execute("insert into pgbench_tellers select 1000 + i, 1, 0 from generate_series(1, 300) i")
+        conn.execute("truncate pgbench_history")
+        conn.execute("insert into pgbench_tellers select 2000 + i, 1, 0 from generate_series(1, 300) i")
+    load = pgbench(r.root, "-N", "-c", "2", "-j", "2", "-t", "300")
+    assert load.wait(timeout=60) == 0, load.stderr.read()
+    before = len(r.log())
+    r.start_worker()
+    r.wait_sync()
+    r.assert_equal(*PGBENCH_TABLES)
+    after = r.log()[before:]
+    assert re.search(r"\{count: [1-9]\d{3,}", after) and "lane " not in after, after[-3000:]
+
+
 def test_table_removed_on_the_root_leaves_the_subscriber(replica):
     with replica.root.connect() as conn:
         conn.execute("create table t1 (id int primary key)")

@@ -84,3 +84,13 @@ def test_pause_points_cost_nothing_unless_asked(monkeypatch):
     monkeypatch.setenv("PGCASCADE_PAUSE_SECONDS", "5")
     pause_point("in-copy", "t")  # another table
     assert time.monotonic() - started < 1
+
+
+def test_parallel_apply_groups_joined_tables_and_spreads_the_heaviest_first():
+    from pgcascade.replica.parallel import spread, table_groups
+
+    groups = table_groups([("c", "a"), ("d", "c"), ("x", "nowhere")], ["a", "b", "c", "d", "e"])
+    assert sorted(map(sorted, groups)) == [["a", "c", "d"], ["b"], ["e"]]
+    weight = {"a": 10.0, "c": 5.0, "d": 0.0, "b": 12.0, "e": 4.0}
+    assert spread(groups, weight, 2) == [["a", "c", "d"], ["b", "e"]]
+    assert spread(groups, weight, 8) == [["a", "c", "d"], ["b"], ["e"]]

@@ -77,7 +77,19 @@ def set_paused(conn: psycopg.Connection, queue: str, name: str, paused: bool) ->
         target = conn if loc is None else stack.enter_context(connect(loc))
         n = nodes.require_node(target, queue)
         nodes.set_paused(target, queue, paused)
+        if not paused and n.provider_node:
+            wake_worker(target, n)
     return f"{n.node_name}: {'paused' if paused else 'resumed'}"
+
+
+def wake_worker(conn: psycopg.Connection, node: nodes.Node) -> None:
+    """A resumed worker waits on its provider's tick channel: wake it there now, not at its
+    next tick or loop_delay (an unreachable provider only leaves it to those)."""
+    with (
+        contextlib.suppress(psycopg.Error, RuntimeFailure),
+        connect(nodes.provider_location(conn, node)) as prov,
+    ):
+        q.wake_consumers(prov, node.queue_name)
 
 
 # --- an old root comes back ------------------------------------------------------------------------

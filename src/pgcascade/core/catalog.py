@@ -196,3 +196,15 @@ def estimated_rows(conn: psycopg.Connection, table: str) -> int | None:
         " where c.oid = %s::regclass or c.oid in (select relid from pg_partition_tree(%s::regclass))",
         (table, table),
     )
+
+
+def foreign_key_links(conn: psycopg.Connection, tables: list[str]) -> list[tuple[str, str]]:
+    """Pairs of `tables` (as given) that a foreign key joins, either way; triggers and rules
+    are not followed."""
+    rows = conn.execute(
+        "select a.name, b.name from unnest(%s::text[]) a(name)"
+        " join pg_constraint c on c.contype = 'f' and c.conrelid = a.name::regclass"
+        " join unnest(%s::text[]) b(name) on c.confrelid = b.name::regclass",
+        (tables, tables),
+    ).fetchall()
+    return [(a, b) for a, b in rows]

@@ -68,6 +68,15 @@ class WorkerSettings:
     watermark_period: float = setting(
         1.0, "seconds between reports of what this node still needs to its provider", minimum=0.01
     )
+    apply_connections: int = setting(
+        1,
+        "a leaf applies a large batch's tables on this many connections at once, each committing"
+        " its tables on its own (docs/replication.md)",
+        minimum=1,
+    )
+    parallel_apply_min_events: int = setting(
+        20000, "the smallest batch (events) applied on several connections", minimum=1
+    )
 
 
 @dataclass(frozen=True)

@@ -124,12 +124,14 @@ def require_node(conn: psycopg.Connection, queue_name: str) -> Node:
     return node
 
 
-def lock_node(conn: psycopg.Connection, queue_name: str) -> Node:
+def lock_node(conn: psycopg.Connection, queue_name: str, share: bool = False) -> Node:
     """The node row, locked until the transaction ends: a batch in flight is waited for, and
-    the next one is kept out."""
+    the next one is kept out.  `share`: the lanes of one parallel apply, which only need the
+    row to stay as it is while they apply."""
+    mode = "share" if share else "update"
     with conn.cursor(row_factory=_node_row) as cur:
         node = cur.execute(
-            f"select {NODE_COLUMNS} from pgcascade.node where queue_name = %s for update", (queue_name,)
+            f"select {NODE_COLUMNS} from pgcascade.node where queue_name = %s for {mode}", (queue_name,)
         ).fetchone()
     if node is None:
         raise UserError(f"this database is not a node of set {queue_name!r}")

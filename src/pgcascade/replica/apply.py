@@ -73,18 +73,25 @@ def stage_batch(
     prov: psycopg.Connection,
     sub: psycopg.Connection,
     batch_id: int,
-    only_table: str | None = None,
+    only_tables: list[str] | None = None,
     carry: bool = False,
+    row_events: bool = True,
 ) -> int:
     """Stream the batch's events from the provider into the subscriber's staging table; bytes
-    moved.  `carry`: every field, for a branch that inserts them into its own queue."""
+    moved.  `only_tables`: those tables' events only; `row_events=False`: all but row events
+    (applied elsewhere); `carry`: every field, for a branch that inserts them into its queue."""
     ensure_stage(sub)
     batch_sql = q.batch_event_sql(prov, batch_id)
     cols = sql.SQL(CARRY_COLUMNS if carry else STAGE_COLUMNS)
+    conditions: list[sql.Composable] = []
+    if only_tables is not None:
+        conditions.append(sql.SQL("ev_extra1 = any({}::text[])").format(sql.Literal(only_tables)))
+    if not row_events:
+        conditions.append(sql.SQL("ev_type not in ('I', 'U', 'D')"))
     query = sql.SQL("copy (select {} from ({}) b{}) to stdout").format(
         cols,
         sql.SQL(batch_sql),  # composed by the provider's own function, with quoted literals
-        sql.SQL(" where ev_extra1 = {}").format(sql.Literal(only_table)) if only_table else sql.SQL(""),
+        sql.SQL(" where ") + sql.SQL(" and ").join(conditions) if conditions else sql.SQL(""),
     )
     moved = 0
     buf = bytearray()
@@ -102,6 +109,15 @@ def stage_batch(
             dst.write(bytes(buf))
             moved += len(buf)
     return moved
+
+
+def staged_barriers(sub: psycopg.Connection) -> int:
+    """TRUNCATE and EXECUTE events staged: they order the row events around them."""
+    return int(scalar(sub, "select count(*) from pg_temp.pgcascade_stage where ev_type in ('R', 'EXECUTE')"))
+
+
+def clear_stage(sub: psycopg.Connection) -> None:
+    sub.execute("delete from pg_temp.pgcascade_stage")
 
 
 @dataclass
@@ -250,6 +266,13 @@ class BatchStats:
     ignored: int = 0
     executed: int = 0  # EXECUTE (DDL) events run
     table_list: list[str] | None = None  # the set's tables, from the last T event
+    per_table: dict[str, int] = field(default_factory=dict)  # row events by table
+
+    def add(self, other: BatchStats) -> None:
+        self.count += other.count
+        self.ignored += other.ignored
+        for t, n in other.per_table.items():
+            self.per_table[t] = self.per_table.get(t, 0) + n
 
 
 def apply_staged(
@@ -346,6 +369,7 @@ def apply_segment(
     todo: list[tuple[TableApplier, bool]] = []
     for table, n, partial_sql in rows:
         stats.count += n
+        stats.per_table[table] = stats.per_table.get(table, 0) + n
         a = appliers.get(table)
         if a is None:
             stats.ignored += n

@@ -42,6 +42,7 @@ class SubscriberTable:
     skip_truncate: bool
     local_writes: bool
     copy_node: str | None  # copy the rows from this node, not the provider ('?': find one)
+    applied_tick: int | None = None  # a parallel apply's lane committed the table up to here
 
 
 def _table_row(cursor: psycopg.Cursor) -> Callable[[Sequence[Any]], SubscriberTable]:
@@ -56,7 +57,8 @@ def tables(conn: psycopg.Connection, queue: str) -> list[SubscriberTable]:
     with conn.cursor(row_factory=_table_row) as cur:
         return cur.execute(
             "select table_name, dest_table, key_columns, state, copy_snapshot::text, copy_tick, copy_pid,"
-            " skip_truncate, local_writes, copy_node from pgcascade.subscriber_table where queue_name = %s"
+            " skip_truncate, local_writes, copy_node, applied_tick from pgcascade.subscriber_table"
+            " where queue_name = %s"
             " order by 1",
             (queue,),
         ).fetchall()
@@ -67,13 +69,33 @@ def get_table(conn: psycopg.Connection, queue: str, table: str) -> SubscriberTab
 
 
 def set_state(conn: psycopg.Connection, queue: str, table: str, state: TableState, **extra: object) -> None:
-    """Move a table to `state` (and set copy_* columns given as keywords)."""
-    assigns = [sql.SQL("state = %s")] + [sql.SQL("{} = %s").format(sql.Identifier(k)) for k in extra]
+    """Move a table to `state` (and set copy_* columns given as keywords).  A parallel apply's
+    mark goes: the rows now come from a copy, at the copy's tick."""
+    assigns = [sql.SQL("state = %s, applied_tick = null")] + [
+        sql.SQL("{} = %s").format(sql.Identifier(k)) for k in extra
+    ]
     conn.execute(
         sql.SQL("update pgcascade.subscriber_table set {} where queue_name = %s and table_name = %s").format(
             sql.SQL(", ").join(assigns)
         ),
         (state.stored(), *extra.values(), queue, table),
+    )
+
+
+def lock_applied_ticks(conn: psycopg.Connection, queue: str, tables: list[str]) -> dict[str, int | None]:
+    """Where a parallel apply left each of `tables`, their rows locked until commit."""
+    rows = conn.execute(
+        "select table_name, applied_tick from pgcascade.subscriber_table"
+        " where queue_name = %s and table_name = any(%s) order by table_name for update",
+        (queue, tables),
+    ).fetchall()
+    return dict(rows)
+
+
+def mark_applied(conn: psycopg.Connection, queue: str, tables: list[str], tick: int) -> None:
+    conn.execute(
+        "update pgcascade.subscriber_table set applied_tick = %s where queue_name = %s and table_name = any(%s)",
+        (tick, queue, tables),
     )
 
 

@@ -51,6 +51,7 @@ from pgcascade.replica.apply import (
 )
 from pgcascade.replica.copies import CopyLauncher
 from pgcascade.replica.copy import BulkCopier
+from pgcascade.replica.parallel import ParallelApply, ahead_of, left_out
 from pgcascade.replica.state import Phase
 
 log = logging.getLogger("pgcascade.replay")
@@ -97,9 +98,14 @@ class Worker(Daemon):
         self.prov_node: str | None = None  # the provider self.prov is connected to
         self.next_watermark = 0.0
         self.phases = BatchPhases(0.0)
+        self.parallel = ParallelApply(
+            cfg.db, cfg.worker.apply_connections, cfg.worker.parallel_apply_min_events
+        )
 
     def reload(self) -> None:
         self.copies.cfg = self.cfg
+        self.parallel.lanes = self.cfg.worker.apply_connections
+        self.parallel.min_events = self.cfg.worker.parallel_apply_min_events
 
     # --- connections ---
     def connect(self) -> tuple[psycopg.Connection, psycopg.Connection | None, nodes.Node]:
@@ -125,6 +131,7 @@ class Worker(Daemon):
         return self.sub, self.prov, node
 
     def drop_connections(self) -> None:
+        self.parallel.close()
         for c in (self.sub, self.prov):
             if c is not None:
                 c.close()
@@ -169,7 +176,10 @@ class Worker(Daemon):
             self.queue,
             node.consumer,
             self.cfg.worker.max_batch_events if node.role.may_merge_ticks else None,
-            batch_cap(tables, node.last_tick),
+            min(
+                (c for c in (batch_cap(tables, node.last_tick), ahead_of(tables, node.last_tick)) if c),
+                default=None,
+            ),
         )
         if info.batch_id is not None:
             self.process_batch(sub, prov, node, tables, info)
@@ -185,16 +195,22 @@ class Worker(Daemon):
         info: BatchInfo,
     ) -> None:
         started = time.monotonic()
-        appliers = self.appliers_for(sub, prov, tables)
+        assert info.cur_tick_id is not None
+        done = left_out(tables, info.cur_tick_id)  # by a parallel apply cut short
+        appliers = {t: a for t, a in self.appliers_for(sub, prov, tables).items() if t not in done}
         self.phases = BatchPhases(started)
         with sub.transaction():
             sub.execute(APPLY_SETTINGS)
+            lanes = None
+            if self.parallel.wanted(node, info):
+                lanes = self.parallel.apply(sub, prov, self.queue, node, info, appliers)
+                self.phases.mark("lanes")
             now = nodes.lock_node(sub, self.queue)
             if now.provider_node != node.provider_node or now.node_type != node.node_type:
                 return  # moved (change-provider, takeover) since this round began: start again
             stats = None
             if now.last_tick is None or now.last_tick == info.prev_tick_id:
-                stats = self.apply_batch(sub, prov, node, tables, info, appliers)
+                stats = self.apply_batch(sub, prov, node, tables, info, appliers, rows_applied=lanes)
         if stats is None:
             # the batch does not start where this node's durable record says it is (it was
             # applied and the provider lost its finish_batch in a crash, or cut the batch
@@ -236,18 +252,23 @@ class Worker(Daemon):
         tables: list[subscriber.SubscriberTable],
         info: BatchInfo,
         appliers: dict[str, TableApplier],
+        rows_applied: BatchStats | None = None,
     ) -> BatchStats:
-        """Inside the batch's transaction: stage, carry (a branch), apply, record the tick."""
+        """Inside the batch's transaction: stage, carry (a branch), apply, record the tick.
+        `rows_applied`: the lanes of a parallel apply did the row events and staged the rest."""
         assert info.batch_id is not None and info.cur_tick_id is not None
         carry = node.role.copies_events or bool(node.combined_queue)
         self.phases.mark("prepare")
-        stage_batch(prov, sub, info.batch_id, carry=carry)
-        self.phases.mark("stage")
+        if rows_applied is None:
+            stage_batch(prov, sub, info.batch_id, carry=carry)
+            self.phases.mark("stage")
         if node.combined_queue:
             self.drop_partition_truncates(sub)
         elif carry:
             q.carry_events(sub, self.queue, STAGE_TABLE)
         stats = apply_staged(sub, appliers, queue=self.queue)
+        if rows_applied is not None:
+            stats.add(rows_applied)
         self.phases.mark("apply")
         if node.combined_queue:
             merge_staged(sub, node.combined_queue, self.queue, info.cur_tick_id, list(appliers))
