@@ -84,8 +84,8 @@ PGC_LEAF = {
 }
 # the ticker asks every 10 ms (default 20 ms) and a queue with events waiting ticks after 20 ms
 # (default 50 ms): with the defaults the W2b lag median is 45-65 ms, at the goal's edge
-PGC_TICKER = {"ticker_period": "0.01"}
-PGC_QUEUE = {"ticker_max_lag": "20ms"}  # set_queue_config(queue, key, value); the rest: defaults
+PGC_TICKER = {"ticker_period": "0.003"}
+PGC_QUEUE = {"ticker_max_lag": "3ms"}  # set_queue_config(queue, key, value); the rest: defaults
 # --- peers' settings ----------------------------------------------------------------------
 LONDISTE_LOOP_DELAY = "0.1"
 PGQD_TICKER_PERIOD = "1"

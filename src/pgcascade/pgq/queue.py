@@ -31,6 +31,7 @@ class BatchInfo:
     prev_tick_time: datetime
     cur_tick_event_seq: int | None
     prev_tick_event_seq: int
+    event_sql: str | None = None  # the query of the batch's events (next_batch gives it)
 
 
 # --- the SQL API, one call each -------------------------------------------------------------
@@ -97,10 +98,11 @@ def next_batch(
     max_tick: int | None = None,
 ) -> BatchInfo:
     """The consumer's next batch: several ticks at once up to about `max_events` events, never
-    past `max_tick` (next_batch_custom)."""
+    past `max_tick` (next_batch_custom), with the query of its events (one round trip)."""
     with conn.cursor(row_factory=class_row(BatchInfo)) as cur:
         row = cur.execute(
-            "select * from pgcascade.next_batch_custom(%s, %s, %s, %s)",
+            "select b.*, case when b.batch_id is not null then pgcascade.batch_event_sql(b.batch_id) end"
+            " as event_sql from pgcascade.next_batch_custom(%s, %s, %s, %s) b",
             (queue, consumer, max_events, max_tick),
         ).fetchone()
     assert row is not None

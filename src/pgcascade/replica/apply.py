@@ -31,6 +31,7 @@ from pgcascade.core.errors import RuntimeFailure, db_error_line
 from pgcascade.core.hooks import pause_point
 from pgcascade.core.pgconn import scalar
 from pgcascade.pgq import queue as q
+from pgcascade.pgq.queue import BatchInfo
 from pgcascade.replica.tables import SubscriberTable
 
 log = logging.getLogger("pgcascade.apply")
@@ -72,7 +73,7 @@ def ensure_stage(sub: psycopg.Connection) -> None:
 def stage_batch(
     prov: psycopg.Connection,
     sub: psycopg.Connection,
-    batch_id: int,
+    batch: BatchInfo,
     only_tables: list[str] | None = None,
     carry: bool = False,
     row_events: bool = True,
@@ -81,7 +82,8 @@ def stage_batch(
     moved.  `only_tables`: those tables' events only; `row_events=False`: all but row events
     (applied elsewhere); `carry`: every field, for a branch that inserts them into its queue."""
     ensure_stage(sub)
-    batch_sql = q.batch_event_sql(prov, batch_id)
+    assert batch.batch_id is not None
+    batch_sql = batch.event_sql or q.batch_event_sql(prov, batch.batch_id)
     cols = sql.SQL(CARRY_COLUMNS if carry else STAGE_COLUMNS)
     conditions: list[sql.Composable] = []
     if only_tables is not None:
@@ -285,14 +287,18 @@ def apply_staged(
     Copy processes pass the copy's snapshot as `skip`; the worker passes its `queue`, for the
     set's own events (locations, watermark), which copy processes leave to it."""
     stats = BatchStats()
-    barriers = sub.execute(
-        "select ev_id, ev_type, ev_data, ev_extra1, ev_extra2 from pg_temp.pgcascade_stage"
-        " where ev_type not in ('I', 'U', 'D') order by ev_id"
-    ).fetchall()
+    with sub.pipeline():  # one round trip: the barriers, and the tables if there are none
+        barrier_rows = sub.execute(
+            "select ev_id, ev_type, ev_data, ev_extra1, ev_extra2 from pg_temp.pgcascade_stage"
+            " where ev_type not in ('I', 'U', 'D') order by ev_id"
+        )
+        whole = sub.execute(SEGMENT_TABLES, (0, MAX_EV_ID))
+    barriers = barrier_rows.fetchall()
     pending_truncate: list[str] = []
     lo = 0
     for ev_id, ev_type, ev_data, ev_extra1, ev_extra2 in [*barriers, (MAX_EV_ID, None, None, None, None)]:
-        apply_segment(sub, appliers, lo, ev_id, skip, stats, pending_truncate)
+        tables = whole.fetchall() if not barriers else None
+        apply_segment(sub, appliers, lo, ev_id, skip, stats, pending_truncate, tables)
         lo = ev_id + 1
         if ev_type is None:
             flush_truncate(sub, pending_truncate)
@@ -331,6 +337,13 @@ def apply_staged(
     return stats
 
 
+# the tables with row events in a segment: their count, and whether any is partial SQL
+SEGMENT_TABLES = (
+    "select ev_extra1, count(*), bool_or(left(ev_data, 1) <> '{') from pg_temp.pgcascade_stage"
+    " where ev_id >= %s and ev_id < %s and ev_type in ('I', 'U', 'D') group by 1 order by 1"
+)
+
+
 def visible_in(sub: psycopg.Connection, ev_id: int, snapshot: str) -> bool:
     return scalar(
         sub,
@@ -356,14 +369,13 @@ def apply_segment(
     skip: str | None,
     stats: BatchStats,
     pending_truncate: list[str],
+    rows: list[tuple] | None = None,
 ) -> None:
     """Apply the row events with lo <= ev_id < hi; truncates that precede them go first
-    (consecutive TRUNCATE events with no rows between them become one statement)."""
-    rows = sub.execute(
-        "select ev_extra1, count(*), bool_or(left(ev_data, 1) <> '{') from pg_temp.pgcascade_stage"
-        " where ev_id >= %s and ev_id < %s and ev_type in ('I', 'U', 'D') group by 1 order by 1",
-        (lo, hi),
-    ).fetchall()
+    (consecutive TRUNCATE events with no rows between them become one statement).  `rows`:
+    the segment's tables (SEGMENT_TABLES), when read already."""
+    if rows is None:
+        rows = sub.execute(SEGMENT_TABLES, (lo, hi)).fetchall()
     if rows:
         flush_truncate(sub, pending_truncate)
     todo: list[tuple[TableApplier, bool]] = []

@@ -278,7 +278,7 @@ class CopyProcess(Daemon):
             done = subscriber.lock_copy_tick(sub, self.queue, self.table)
             stats = None
             if done is None or done == info.prev_tick_id:
-                stage_batch(prov, sub, info.batch_id, only_tables=[self.table])
+                stage_batch(prov, sub, info, only_tables=[self.table])
                 stats = apply_staged(sub, {self.table: self.applier}, skip=st.copy_snapshot)
                 assert info.cur_tick_id is not None
                 subscriber.set_copy_tick(sub, self.queue, self.table, info.cur_tick_id)

@@ -138,7 +138,7 @@ class Lane:
                 if not todo:
                     return BatchStats()
                 started = time.monotonic()
-                stage_batch(self.prov, sub, info.batch_id, only_tables=todo)  # their row events
+                stage_batch(self.prov, sub, info, only_tables=todo)  # their row events
                 staged = time.monotonic()
                 stats = apply_staged(sub, {t: appliers[t] for t in todo})
                 subscriber.mark_applied(sub, queue, todo, info.cur_tick_id)
@@ -189,7 +189,7 @@ class ParallelApply:
         staged) where the batch must go serially: it holds TRUNCATE or EXECUTE, or the node
         moved."""
         assert info.batch_id is not None
-        stage_batch(prov, sub, info.batch_id, row_events=False)
+        stage_batch(prov, sub, info, row_events=False)
         if staged_barriers(sub):
             clear_stage(sub)
             return None

@@ -126,6 +126,10 @@ class Worker(Daemon):
             self.prov = pgconn.connect(
                 nodes.provider_location(self.sub, node), autocommit=True, connect_timeout=10
             )
+            # what the worker writes on the provider (the open batch, its finish, watermarks)
+            # need not wait for a WAL flush: a crash that takes one back is recovered from
+            # this node's own durable record (resume_at), so the round trips stay short
+            self.prov.execute("set synchronous_commit = off")
             q.listen(self.prov)
             self.prov_node = node.provider_node
         return self.sub, self.prov, node
@@ -260,7 +264,7 @@ class Worker(Daemon):
         carry = node.role.copies_events or bool(node.combined_queue)
         self.phases.mark("prepare")
         if rows_applied is None:
-            stage_batch(prov, sub, info.batch_id, carry=carry)
+            stage_batch(prov, sub, info, carry=carry)
             self.phases.mark("stage")
         if node.combined_queue:
             self.drop_partition_truncates(sub)
