@@ -30,6 +30,11 @@ W3   initial copy of pgbench_accounts at scale 50 (5,000,000 rows, 640 MB) into 
      every table is 'r'.  Reference: `psql -c "\\copy ... to stdout" | psql -c "\\copy ... from
      stdin"` into an unindexed table, then ALTER TABLE ADD PRIMARY KEY.
 
+W4   one transaction updating every row of pgbench_accounts at scale 50 (5,000,000 rows) on the
+     provider, with the consumers running and the subscriber holding the same rows: the time
+     until the subscriber shows it, after the commit and in all, and the pgcascade worker's peak
+     resident set (VmHWM).  Londiste is not measured (5,000,000 single-row statements).
+
     bash bench/install-peers.sh                       # once, as root: Londiste 3 and pgqd
     .venv/bin/python bench/replication_bench.py [--quick] [--only W1,W2a,W2b,W3] [--rounds R]
                                                 [--report bench/results/replication.md]
@@ -71,7 +76,8 @@ PGBENCH_TABLES = ["pgbench_accounts", "pgbench_branches", "pgbench_tellers", "pg
 TABLES = [*PGBENCH_TABLES, "heartbeat"]
 QUEUE = "bench"
 W3_TABLE = "pgbench_accounts"
-ALL_WORKLOADS = ("W1", "W2a", "W2b", "W3")
+ALL_WORKLOADS = ("W1", "W2a", "W2b", "W3", "W4")
+W4_UPDATE = f"update {W3_TABLE} set abalance = abalance + 1"  # 5,000,000 rows, one transaction
 NA = "-"  # no figure
 COPY_IN = f"\\copy {W3_TABLE} from stdin"
 
@@ -82,8 +88,10 @@ PGC_LEAF = {
     "max_batch_events": "200000",
     "apply_connections": "2",
 }
-# the ticker asks every 10 ms (default 20 ms) and a queue with events waiting ticks after 20 ms
-# (default 50 ms): with the defaults the W2b lag median is 45-65 ms, at the goal's edge
+# apply_connections 2: a catch-up batch's table groups on two connections (docs/replication.md).
+# The ticker asks every 3 ms (default 20 ms) and a queue with events waiting ticks after 3 ms
+# (default 50 ms): the W2b lag median is 16-19 ms so (22-24 ms at 10 ms / 20 ms, 45-65 ms with
+# the defaults); the price is the ticker's and the worker's CPU between writes
 PGC_TICKER = {"ticker_period": "0.003"}
 PGC_QUEUE = {"ticker_max_lag": "3ms"}  # set_queue_config(queue, key, value); the rest: defaults
 # --- peers' settings ----------------------------------------------------------------------
@@ -561,6 +569,7 @@ class Results:
     w2a: dict[tuple[str, int], dict] = field(default_factory=dict)  # (system, txns) -> figures
     w2b: dict[str, dict] = field(default_factory=dict)
     w3: dict[str, dict] = field(default_factory=dict)
+    w4: dict[str, dict] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
 
@@ -822,6 +831,54 @@ def run_w3(env: Env, systems: list[System], res: Results) -> None:
             pair.drop()
 
 
+def peak_rss_mb(pid: int) -> float | None:
+    """The process's peak resident set (VmHWM), in MB."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return None
+
+
+def run_w4(env: Env, systems: list[System], res: Results) -> None:
+    """One transaction updates every row of a 5,000,000-row table, with the consumers running:
+    the time until the subscriber has it, and the pgcascade worker's peak RSS."""
+    for s in systems:
+        if isinstance(s, Londiste):
+            log("W4 Londiste 3: skipped (5,000,000 single-row statements; not measured in this run)")
+            continue
+        pair = Pair(env, f"w4_{s.key}")
+        clone(env.prov, "tmpl50", pair.name)
+        clone(env.sub, "tmpl50", pair.name)
+        try:
+            s.setup(pair, [W3_TABLE])
+            time.sleep(2)
+            checkpoint(env.prov, env.sub)
+            started = time.monotonic()
+            with pair.pconn() as conn:
+                conn.execute(W4_UPDATE)
+                want = conn.execute(f"select sum(abalance) from {W3_TABLE}").fetchone()[0]
+            committed = time.monotonic()
+            with pair.sconn() as conn:
+                while conn.execute(f"select sum(abalance) from {W3_TABLE}").fetchone()[0] != want:
+                    if time.monotonic() - started > 3600:
+                        raise RuntimeError(f"{s.label}: the 5M-row transaction not applied after 3600s")
+                    time.sleep(0.5)
+            done = time.monotonic()
+            r = {"secs": done - started, "write": committed - started, "after_commit": done - committed}
+            if isinstance(s, PgCascade) and s.worker is not None:
+                r["rss_mb"] = peak_rss_mb(s.worker.pid)
+            res.w4[s.key] = r
+            log(
+                f"W4 {s.label}: the 5M-row transaction took {r['write']:.1f}s on the provider, on the"
+                f" subscriber {r['after_commit']:.1f}s after its commit"
+                + (f"; worker peak RSS {r['rss_mb']:.0f} MB" if r.get("rss_mb") else "")
+            )
+        finally:
+            s.teardown(pair)
+            pair.drop()
+
+
 def psql_args(c: LocalCluster, dbname: str) -> list[str]:
     return ["-h", "127.0.0.1", "-p", str(c.port), "-U", "postgres", "-d", dbname]
 
@@ -906,11 +963,15 @@ def report(res: Results, systems: list[System], args: argparse.Namespace) -> lis
         )
         if base:
             ratios = {k: v / base for k, v in med.items() if k != "none"}
-            ok = ratios.get("pgcascade", 0) >= 0.92
-            goals.append(("W1 TPS with capture >= 0.92 of no capture", ok))
-            if "pgcascade-logical" in ratios:
+            ours = ratios.get("pgcascade", 0)
+            ok = ours >= max(0.85, ratios.get("londiste", 0))
+            goals.append(("W1 TPS ratio with trigger capture >= 0.85 and >= Londiste's", ok))
+            if "pgcascade-logical" in ratios and "native" in ratios:
                 goals.append(
-                    ("W1 TPS with logical capture >= 0.92 of no capture", ratios["pgcascade-logical"] >= 0.92)
+                    (
+                        "W1 TPS with logical capture >= native's",
+                        ratios["pgcascade-logical"] >= ratios["native"],
+                    )
                 )
             row(
                 "W1 TPS ratio to no replication",
@@ -919,16 +980,16 @@ def report(res: Results, systems: list[System], args: argparse.Namespace) -> lis
                 ratios,
                 lambda v: f"{v:.2f}",
                 True,
-                ">= 0.92",
+                ">= 0.85, >= Londiste",
                 "yes" if ok else "**no**",
             )
     for txns in sorted({t for _, t in res.w2a}, reverse=True):
         vals = {k: res.w2a[(k, txns)]["rate"] for k in keys if (k, txns) in res.w2a}
         secs = {k: res.w2a[(k, txns)]["secs"] for k in keys if (k, txns) in res.w2a}
-        goal_here = txns == max(t for _, t in res.w2a)
-        ok = vals.get("pgcascade", 0) >= 60_000
+        goal_here = txns == 100_000 and "native" in vals
+        ok = vals.get("pgcascade", 0) >= 1.5 * vals.get("native", float("inf"))
         if goal_here:
-            goals.append((f"W2a catch-up ({txns:,} txns) >= 60k row changes/s", ok))
+            goals.append((f"W2a catch-up ({txns:,} txns) >= 1.5x native", ok))
         row(
             f"W2a catch-up of {txns:,} txns ({2 * txns:,} row changes)",
             "row changes/s",
@@ -936,16 +997,21 @@ def report(res: Results, systems: list[System], args: argparse.Namespace) -> lis
             vals,
             lambda v: f"{v / 1000:,.1f}k",
             True,
-            ">= 60k" if goal_here else "",
+            ">= 1.5x native" if goal_here else "",
             ("yes" if ok else "**no**") if goal_here else "",
         )
         row(f"W2a catch-up of {txns:,} txns: time", "s", NA, secs, lambda v: f"{v:.2f}", False)
     if res.w2b:
-        for stat, goal_ms in (("median", 50), ("p95", 200), ("max", None)):
+        for stat in ("median", "p95", "max"):
             vals = {k: res.w2b[k][stat] * 1000 for k in keys if k in res.w2b}
-            ok = vals.get("pgcascade", float("inf")) <= goal_ms if goal_ms else None
-            if goal_ms:
-                goals.append((f"W2b lag {stat} <= {goal_ms} ms", ok))
+            ours = vals.get("pgcascade", float("inf"))
+            goal, ok = "", None
+            if stat == "median" and "native" in vals:
+                goal, ok = "<= 2x native", ours <= 2 * vals["native"]
+            elif stat == "p95":
+                goal, ok = "<= 50 ms", ours <= 50
+            if goal:
+                goals.append((f"W2b lag {stat} {goal}", ok))
             row(
                 f"W2b lag at 500 tps, {stat}",
                 "ms",
@@ -953,8 +1019,8 @@ def report(res: Results, systems: list[System], args: argparse.Namespace) -> lis
                 vals,
                 lambda v: f"{v:,.1f}",
                 False,
-                f"<= {goal_ms} ms" if goal_ms else "",
-                ("yes" if ok else "**no**") if goal_ms else "",
+                goal,
+                ("yes" if ok else "**no**") if goal else "",
             )
     if res.w3:
         ref = res.w3.get("reference", {}).get("secs")
@@ -969,8 +1035,8 @@ def report(res: Results, systems: list[System], args: argparse.Namespace) -> lis
         )
         if ref:
             ratios = {k: v / ref for k, v in vals.items()}
-            ok = ratios.get("pgcascade", float("inf")) <= 1.1
-            goals.append(("W3 in sync within 1.1x of the pipe + ADD PRIMARY KEY reference", ok))
+            ok = ratios.get("pgcascade", float("inf")) <= 1.05
+            goals.append(("W3 in sync within 1.05x of the pipe + ADD PRIMARY KEY reference", ok))
             row(
                 "W3 time / reference",
                 "ratio",
@@ -978,8 +1044,31 @@ def report(res: Results, systems: list[System], args: argparse.Namespace) -> lis
                 ratios,
                 lambda v: f"{v:.2f}",
                 False,
-                "<= 1.10",
+                "<= 1.05",
                 "yes" if ok else "**no**",
+            )
+    if res.w4:
+        for fig, key in (("on the subscriber after its commit", "after_commit"), ("in all", "secs")):
+            row(
+                f"W4 one transaction updating 5,000,000 rows: {fig}",
+                "s",
+                NA,
+                {k: res.w4[k][key] for k in keys if k in res.w4},
+                lambda v: f"{v:.1f}",
+                False,
+            )
+        rss = res.w4.get("pgcascade", {}).get("rss_mb")
+        if rss:
+            goals.append(("W4 worker peak RSS <= 500 MB", rss <= 500))
+            row(
+                "W4 pgcascade worker peak RSS",
+                "MB",
+                NA,
+                {"pgcascade": rss},
+                lambda v: f"{v:,.0f}",
+                False,
+                "<= 500 MB",
+                "yes" if rss <= 500 else "**no**",
             )
     lines = [*out, "", "Goals (pgcascade):", ""]
     lines += [f"- {g}: {'met' if ok else '**not met**'}" for g, ok in goals]
@@ -1032,7 +1121,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="a smoke test: W1 runs 10 s, W2a catches up 20k transactions only",
     )
-    ap.add_argument("--only", default=",".join(ALL_WORKLOADS), help="workloads to run: W1,W2a,W2b,W3")
+    ap.add_argument("--only", default=",".join(ALL_WORKLOADS), help="workloads to run: W1,W2a,W2b,W3,W4")
     ap.add_argument(
         "--systems",
         default="pgcascade,pgcascade-logical,londiste,native",
@@ -1099,15 +1188,21 @@ def main(argv: list[str] | None = None) -> int:
         full = [s for s in systems if not getattr(s, "w1_only", False)]
         if only & {"W2a", "W2b"}:
             run_w2(env, full, res, backlogs, "W2a" in only, "W2b" in only, w2b_seconds)
-        if "W3" in only:
+        if only & {"W3", "W4"}:
             log("making the scale-50 template")
             with contextlib.suppress(psycopg.Error):
                 for c in (prov, sub):
                     with c.connect() as conn:
                         conn.execute("drop database if exists tmpl10")
             make_template(prov, "tmpl50", 50)
+        if "W3" in only:
             make_w3_subscriber_template(sub, "tmpl50_sub")
             run_w3(env, full, res)
+        if "W4" in only:
+            with contextlib.suppress(psycopg.Error), sub.connect() as conn:
+                conn.execute("drop database if exists tmpl50_sub")
+            make_template(sub, "tmpl50", 50)
+            run_w4(env, full, res)
         load = os.getloadavg()
         elapsed = datetime.datetime.now().astimezone() - started
     finally:
