@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         res.append(("copy", "pgcascade leaf add-table, one COPY pipe (until ok)", took, ""))
         log("copy: pgcascade Spark copy, cold")
         took, leaf_ini, _leaf_worker = b.copy_pgcascade(
-            "sparkcold", spark_copy_min_rows=1000000, spark_master="local[*]"
+            "sparkcold", spark_copy_min_rows=1000000, spark_copy_streams=1, spark_master="local[*]"
         )
         res.append(("copy", "pgcascade Spark copy, cold: Spark started by the copy (until ok)", took, ""))
         log("starting the Spark Connect server")

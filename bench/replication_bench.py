@@ -299,6 +299,8 @@ class CaptureOnly(System):
 class PgCascade(System):
     label = "pgcascade"
     key = "pgcascade"
+    ticker_settings = PGC_TICKER
+    queue_settings = PGC_QUEUE
 
     def __init__(self, env: Env):
         super().__init__(env)
@@ -325,11 +327,11 @@ class PgCascade(System):
     def setup(self, pair: Pair, tables: list[str], copy: bool = False) -> None:
         self.root_ini = self.ini("root", db=pair.prov, queue_name=QUEUE)
         self.leaf_ini = self.ini("leaf", db=pair.sub, queue_name=QUEUE, **PGC_LEAF)
-        self.ticker_ini = self.ini("ticker", db=pair.prov, **PGC_TICKER)
+        self.ticker_ini = self.ini("ticker", db=pair.prov, **self.ticker_settings)
         self.create_root()
         self.cli(self.leaf_ini, "create-leaf", "leaf", f"--provider={pair.prov}")
         with pair.pconn() as conn:
-            for k, v in PGC_QUEUE.items():
+            for k, v in self.queue_settings.items():
                 conn.execute("select pgcascade.set_queue_config(%s, %s, %s)", (QUEUE, k, v))
         self.cli(self.root_ini, "add-table", *tables)
         if not copy:
@@ -381,6 +383,21 @@ class PgCascade(System):
             (int(m.group(1)), float(m.group(3)))
             for m in re.finditer(r"(?<!: )\{count: (\d+), ignored: (\d+), duration: ([0-9.]+)[,}]", text)
         ]
+
+
+class PgCascadeDefaultTicker(PgCascade):
+    """W1 diagnostic: pgcascade with the ticker's and the queue's defaults (ticks every 50 ms
+    under load instead of 3 ms: fewer, larger batches)."""
+
+    label = "pgcascade, default ticker"
+    key = "pgcascade-default-ticker"
+    w1_only = True
+    ticker_settings: dict[str, str] = {}
+    queue_settings: dict[str, str] = {}
+
+    def __init__(self, env: Env):
+        super().__init__(env)
+        self.dir = env.work / "pgcascade-default-ticker"
 
 
 class PgCascadeLogical(PgCascade):
@@ -583,7 +600,7 @@ def fresh_pair(env: Env, name: str, template: str) -> Pair:
 def run_w1(env: Env, systems: list[System], res: Results, seconds: int, rounds: int) -> None:
     everyone: list[System] = [NoReplication(env), *systems]
     if any(s.key == "pgcascade" for s in systems):
-        everyone.append(CaptureOnly(env))
+        everyone += [CaptureOnly(env), PgCascadeDefaultTicker(env)]
     if any(s.key == "pgcascade-logical" for s in systems):
         everyone.append(LogicalCaptureOnly(env))
     for rnd in range(rounds):
@@ -1087,6 +1104,15 @@ def details(res: Results) -> list[str]:
             out.append(
                 f"- W1 diagnostic, pgcascade's capture triggers alone (no ticker, no worker): {cap:,.0f} tps,"
                 f" {cap / base:.2f} of no replication"
+            )
+        if "pgcascade-default-ticker" in res.w1 and "none" in res.w1:
+            tps, base = (
+                statistics.median(res.w1["pgcascade-default-ticker"]),
+                statistics.median(res.w1["none"]),
+            )
+            out.append(
+                f"- W1 diagnostic, pgcascade with the ticker's defaults (ticker_period 0.02 s, ticker_max_lag"
+                f" 50 ms): {tps:,.0f} tps, {tps / base:.2f} of no replication"
             )
         if "pgcascade-logical-capture" in res.w1 and "none" in res.w1:
             cap = statistics.median(res.w1["pgcascade-logical-capture"])

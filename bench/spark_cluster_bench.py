@@ -107,7 +107,9 @@ def main() -> int:
         common = {"spark_copy_min_rows": 1_000_000, "spark_copy_range_rows": 500_000, "parallel_copies": 1}
         inis = {
             "root": write_ini(work, "root", dbs["root"]),
-            "local": write_ini(work, "local", dbs["local"], spark_master="local[2]", **common),
+            "local": write_ini(
+                work, "local", dbs["local"], spark_master="local[2]", spark_copy_streams=1, **common
+            ),
             "cluster": write_ini(
                 work,
                 "cluster",

@@ -59,6 +59,7 @@ def test_spark_copy_killed_halfway_resumes_with_the_ranges_not_done(replica):
         parallel_copies=2,
         spark_copy_min_rows=1000000,
         spark_copy_range_rows=100000,
+        spark_copy_streams=1,  # on a host under 4 cores the pipe copies unless streams are set
         spark_master="local[2]",
     )
     r.setup(list(PGBENCH_TABLES))

@@ -163,6 +163,7 @@ class ParallelApply:
     lanes: int
     min_events: int
     pool: ThreadPoolExecutor | None = None
+    pool_size: int = 0
     idle: list[Lane] = field(default_factory=list)
     groups_key: tuple = ()
     groups: list[list[str]] = field(default_factory=list)
@@ -199,8 +200,13 @@ class ParallelApply:
         try:
             for lane in lanes:
                 lane.connect(location)
-            if self.pool is None:
-                self.pool = ThreadPoolExecutor(self.lanes, thread_name_prefix="lane")
+            if self.pool is None or self.pool_size < len(plan):  # lanes may grow on reload
+                if self.pool is not None:
+                    self.pool.shutdown(wait=True)
+                self.pool, self.pool_size = (
+                    ThreadPoolExecutor(len(plan), thread_name_prefix="lane"),
+                    len(plan),
+                )
             futures = [
                 self.pool.submit(lane.apply, queue, node, info, {t: appliers[t] for t in tables})
                 for lane, tables in zip(lanes, plan, strict=True)
