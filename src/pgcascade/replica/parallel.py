@@ -195,6 +195,8 @@ class ParallelApply:
             clear_stage(sub)
             return None
         plan = spread(self.table_groups(sub, appliers), self.weight(sub, appliers), self.lanes)
+        if not plan:  # every table left out (lanes applied them before a crash): the rest is ours
+            return BatchStats()
         location = nodes.provider_location(sub, node)
         lanes = [self.idle.pop() if self.idle else Lane(self.db) for _ in plan]
         try:
