@@ -17,8 +17,8 @@ W2a  catch-up: with the consumer stopped (pgcascade: ticker on, worker paused; L
      changes); then the consumer starts (pgcascade: resumed; native: enabled) and the
      subscriber is polled every 50 ms until history count, max(hid), teller and branch sums,
      then the accounts' sum, equal the provider's.
-     rows/s = 2N / seconds, the clock including the consumer's start-up.  N = 100,000 (and
-     20,000 with --quick).
+     rows/s = 2N / seconds, the clock including the consumer's start-up.  N = 100,000,
+     20,000 and 10,000 (--backlogs; 20,000 only with --quick).
 W2b  lag at a steady 500 tps (`pgbench -N -R 500 -c2 -j2 -T30`): a heartbeat row (table
      `heartbeat(id int primary key, t timestamptz)`, replicated too) is updated every 50 ms on the
      provider and polled every 10 ms on the subscriber; each update's lag is the time from its
@@ -36,7 +36,8 @@ W4   one transaction updating every row of pgbench_accounts at scale 50 (5,000,0
      resident set (VmHWM).  Londiste is not measured (5,000,000 single-row statements).
 
     bash bench/install-peers.sh                       # once, as root: Londiste 3 and pgqd
-    .venv/bin/python bench/replication_bench.py [--quick] [--only W1,W2a,W2b,W3] [--rounds R]
+    .venv/bin/python bench/replication_bench.py [--quick] [--only W1,W2a,W2b,W3,W4] [--rounds R]
+                                                [--backlogs 100000,20000,10000,1000000]
                                                 [--report bench/results/replication.md]
 """
 
@@ -1158,6 +1159,11 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         help="W1 runs per system, the order rotating; the median is reported (default 3, --quick 1)",
     )
+    ap.add_argument(
+        "--backlogs",
+        default="100000,20000,10000",
+        help="W2a backlogs, in transactions (1000000 for the large one: its pgbench alone takes ~15 min)",
+    )
     ap.add_argument("--report", type=Path, help="also write the results as Markdown to this file")
     ap.add_argument("--keep-logs", action="store_true", help="keep the daemons' configs and logs")
     args = ap.parse_args(argv)
@@ -1168,7 +1174,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds is None:
         args.rounds = 1 if args.quick else 3
     w2b_seconds = 30
-    backlogs = [20_000] if args.quick else [100_000, 20_000]
+    backlogs = [20_000] if args.quick else sorted({int(b) for b in args.backlogs.split(",")}, reverse=True)
     wanted = [s.strip() for s in args.systems.split(",") if s.strip()]
     if "londiste" in wanted and not (Path(LONDISTE[1]).exists() and Path(PGQD).exists()):
         print(
