@@ -85,7 +85,13 @@ def several_streams(cfg: JobConfig) -> bool:
     p = cfg.pipeline
     if p.spark_copy_streams or p.spark_remote or not is_local(p.spark_master):
         return True
-    return (os.cpu_count() or 2) // 2 >= 2
+    return local_streams() >= 2
+
+
+def local_streams() -> int:
+    """Ranges copied at once in local mode: half this host's cores (a COPY stream keeps about
+    two busy)."""
+    return max(1, (os.cpu_count() or 2) // 2)
 
 
 def forget_plan(sub: psycopg.Connection, queue: str, table: str) -> None:
@@ -190,7 +196,7 @@ def copy_streams(cfg: JobConfig, spark, dsns: list[str]) -> int:
     if cfg.pipeline.spark_copy_streams:
         return cfg.pipeline.spark_copy_streams
     local = is_local(master_of(spark))
-    wanted = max(1, (os.cpu_count() or 2) // 2) if local else cluster_parallelism(spark)
+    wanted = local_streams() if local else cluster_parallelism(spark)
     return max(1, min(wanted, *(connection_room(dsn) // 2 for dsn in dsns)))
 
 

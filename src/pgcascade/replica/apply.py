@@ -294,11 +294,11 @@ def apply_staged(
         )
         whole = sub.execute(SEGMENT_TABLES, (0, MAX_EV_ID))
     barriers = barrier_rows.fetchall()
+    only_segment = None if barriers else whole.fetchall()
     pending_truncate: list[str] = []
     lo = 0
     for ev_id, ev_type, ev_data, ev_extra1, ev_extra2 in [*barriers, (MAX_EV_ID, None, None, None, None)]:
-        tables = whole.fetchall() if not barriers else None
-        apply_segment(sub, appliers, lo, ev_id, skip, stats, pending_truncate, tables)
+        apply_segment(sub, appliers, lo, ev_id, skip, stats, pending_truncate, only_segment)
         lo = ev_id + 1
         if ev_type is None:
             flush_truncate(sub, pending_truncate)

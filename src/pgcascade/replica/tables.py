@@ -421,7 +421,8 @@ def adopt_table(
     conn.execute("select pgcascade.protect_table(%s::regclass, true)", (dest,))
     conn.execute(
         "insert into pgcascade.subscriber_table (queue_name, table_name, dest_table, key_columns, state)"
-        " values (%s, %s, %s, %s, %s) on conflict (queue_name, table_name) do update set state = excluded.state",
+        " values (%s, %s, %s, %s, %s)"
+        " on conflict (queue_name, table_name) do update set state = excluded.state, applied_tick = null",
         (queue, table, dest, keys, state.stored()),
     )
 
