@@ -19,12 +19,14 @@ W2a  catch-up: with the consumer stopped (pgcascade: ticker on, worker paused; L
      then the accounts' sum, equal the provider's.
      rows/s = 2N / seconds, the clock including the consumer's start-up.  N = 100,000,
      20,000 and 10,000 (--backlogs; 20,000 only with --quick).
-W2b  lag at a steady 500 tps (`pgbench -N -R 500 -c2 -j2 -T30`): a heartbeat row (table
-     `heartbeat(id int primary key, t timestamptz)`, replicated too) is updated every 50 ms on the
+W2b  lag at a steady 500 and 2,000 tps (`pgbench -N -R RATE -c2 -j2 -T30`; --lag-rates): a
+     heartbeat row (table `heartbeat(id int primary key, t timestamptz)`, replicated too) is
+     updated every 50 ms on the
      provider and polled every 10 ms on the subscriber; each update's lag is the time from its
      commit until the subscriber shows it (or a later one).  Median, p95, max.
-W3   initial copy of pgbench_accounts at scale 50 (5,000,000 rows, 640 MB) into an empty
-     subscriber table with the same definition, with the daemons running and no writes:
+W3   initial copy of pgbench_accounts at scale 50 (5,000,000 rows, 640 MB; --w3-scales 50,200
+     adds 20,000,000 rows) into an empty subscriber table with the same definition, with the
+     daemons running and no writes:
      pgcascade from leaf add-table until the state is ok; Londiste from leaf add-table until its
      state is ok (ticker_idle_period lowered to 1 s); native from CREATE SUBSCRIPTION until
      every table is 'r'.  Reference: `psql -c "\\copy ... to stdout" | psql -c "\\copy ... from
@@ -38,6 +40,7 @@ W4   one transaction updating every row of pgbench_accounts at scale 50 (5,000,0
     bash bench/install-peers.sh                       # once, as root: Londiste 3 and pgqd
     .venv/bin/python bench/replication_bench.py [--quick] [--only W1,W2a,W2b,W3,W4] [--rounds R]
                                                 [--backlogs 100000,20000,10000,1000000]
+                                                [--lag-rates 500,2000] [--w3-scales 50,200]
                                                 [--report bench/results/replication.md]
 """
 
@@ -585,8 +588,8 @@ class Native(System):
 class Results:
     w1: dict[str, list[float]] = field(default_factory=dict)  # system key -> tps per round
     w2a: dict[tuple[str, int], dict] = field(default_factory=dict)  # (system, txns) -> figures
-    w2b: dict[str, dict] = field(default_factory=dict)
-    w3: dict[str, dict] = field(default_factory=dict)
+    w2b: dict[tuple[str, int], dict] = field(default_factory=dict)  # (system, tps) -> figures
+    w3: dict[tuple[str, int], dict] = field(default_factory=dict)  # (system or reference, rows) -> figures
     w4: dict[str, dict] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -662,8 +665,8 @@ def percentile(values: list[float], p: float) -> float:
     return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
-def lag_run(s: System, pair: Pair, seconds: int) -> dict:
-    """W2b: heartbeat lag while pgbench -N runs at 500 tps."""
+def lag_run(s: System, pair: Pair, seconds: int, rate: int) -> dict:
+    """W2b: heartbeat lag while pgbench -N runs at `rate` tps."""
     env = pair.env
     stop = threading.Event()
     sent: list[tuple[datetime.datetime, float]] = []  # (value written, monotonic commit time)
@@ -701,7 +704,17 @@ def lag_run(s: System, pair: Pair, seconds: int) -> dict:
     stopped_at = [0.0]
     checkpoint(env.prov, env.sub)
     bench = subprocess.Popen(
-        [PGBENCH, "-n", "-N", "-R", "500", "-c2", "-j2", f"-T{seconds}", *pgbench_args(env.prov, pair.name)],
+        [
+            PGBENCH,
+            "-n",
+            "-N",
+            "-R",
+            str(rate),
+            "-c2",
+            "-j2",
+            f"-T{seconds}",
+            *pgbench_args(env.prov, pair.name),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -739,7 +752,14 @@ def lag_run(s: System, pair: Pair, seconds: int) -> dict:
 
 
 def run_w2(
-    env: Env, systems: list[System], res: Results, backlogs: list[int], do_a: bool, do_b: bool, seconds: int
+    env: Env,
+    systems: list[System],
+    res: Results,
+    backlogs: list[int],
+    rates: list[int],
+    do_a: bool,
+    do_b: bool,
+    seconds: int,
 ) -> None:
     for s in systems:
         pair = fresh_pair(env, f"w2_{s.key}", "tmpl10")
@@ -758,11 +778,11 @@ def run_w2(
                         f"W2a {s.label}: {txns:,} txns ({2 * txns:,} row changes) caught up in"
                         f" {r['secs']:.2f}s: {r['rate']:,.0f} rows/s{extra}"
                     )
-            if do_b:
-                r = lag_run(s, pair, seconds)
-                res.w2b[s.key] = r
+            for rate in rates if do_b else []:
+                r = lag_run(s, pair, seconds, rate)
+                res.w2b[(s.key, rate)] = r
                 log(
-                    f"W2b {s.label}: lag median {r['median'] * 1000:.1f} ms, p95 {r['p95'] * 1000:.1f} ms,"
+                    f"W2b {s.label} at {rate} tps: lag median {r['median'] * 1000:.1f} ms, p95 {r['p95'] * 1000:.1f} ms,"
                     f" max {r['max'] * 1000:.1f} ms ({r['n']} heartbeats, pgbench {r['tps']:.0f} tps)"
                 )
         finally:
@@ -770,10 +790,11 @@ def run_w2(
             pair.drop()
 
 
-def run_w3(env: Env, systems: list[System], res: Results) -> None:
+def run_w3(env: Env, systems: list[System], res: Results, scale: int) -> None:
     # the reference: one pipe of two psql, into an unindexed table, then ADD PRIMARY KEY
+    rows = scale * 100_000
     name = "w3_ref"
-    clone(env.prov, "tmpl50", name)
+    clone(env.prov, f"tmpl{scale}", name)
     env.sub.create_database(name)
     try:
         with env.sub.connect(name) as conn:
@@ -803,17 +824,22 @@ def run_w3(env: Env, systems: list[System], res: Results) -> None:
             conn.execute(f"alter table {W3_TABLE} add primary key (aid)")
             n = conn.execute(f"select count(*) from {W3_TABLE}").fetchone()[0]
         done = time.monotonic()
-        res.w3["reference"] = {"secs": done - started, "copy": piped - started, "pk": done - piped, "rows": n}
+        res.w3[("reference", rows)] = {
+            "secs": done - started,
+            "copy": piped - started,
+            "pk": done - piped,
+            "rows": n,
+        }
         log(
-            f"W3 reference: {done - started:.2f}s (pipe {piped - started:.2f}s, primary key {done - piped:.2f}s)"
+            f"W3 reference, {rows:,} rows: {done - started:.2f}s (pipe {piped - started:.2f}s, primary key {done - piped:.2f}s)"
         )
     finally:
         Pair(env, name).drop()
 
     for s in systems:
         pair = Pair(env, f"w3_{s.key}")
-        clone(env.prov, "tmpl50", pair.name)
-        clone(env.sub, "tmpl50_sub", pair.name)
+        clone(env.prov, f"tmpl{scale}", pair.name)
+        clone(env.sub, f"tmpl{scale}_sub", pair.name)
         try:
             s.setup(pair, [W3_TABLE], copy=True)
             time.sleep(2)  # the daemons are up and idle
@@ -829,7 +855,7 @@ def run_w3(env: Env, systems: list[System], res: Results) -> None:
             secs = time.monotonic() - started
             with pair.sconn() as conn:
                 n = conn.execute(f"select count(*) from {W3_TABLE}").fetchone()[0]
-            if n != 5_000_000:
+            if n != rows:
                 raise RuntimeError(f"{s.label}: {n} rows in {W3_TABLE} after the copy")
             r = {"secs": secs, "add": added - started, "rows": n}
             if isinstance(s, PgCascade):
@@ -839,9 +865,9 @@ def run_w3(env: Env, systems: list[System], res: Results) -> None:
                 )
                 if m:
                     r["copy"], r["index"] = float(m.group(3)), float(m.group(4))
-            res.w3[s.key] = r
+            res.w3[(s.key, rows)] = r
             log(
-                f"W3 {s.label}: in sync after {secs:.2f}s"
+                f"W3 {s.label}, {rows:,} rows: in sync after {secs:.2f}s"
                 + (f" (copy {r['copy']:.2f}s, index {r['index']:.2f}s)" if "copy" in r else "")
             )
         finally:
@@ -1019,19 +1045,19 @@ def report(res: Results, systems: list[System], args: argparse.Namespace) -> lis
             ("yes" if ok else "**no**") if goal_here else "",
         )
         row(f"W2a catch-up of {txns:,} txns: time", "s", NA, secs, lambda v: f"{v:.2f}", False)
-    if res.w2b:
+    for rate in sorted({r for _, r in res.w2b}):
         for stat in ("median", "p95", "max"):
-            vals = {k: res.w2b[k][stat] * 1000 for k in keys if k in res.w2b}
+            vals = {k: res.w2b[(k, rate)][stat] * 1000 for k in keys if (k, rate) in res.w2b}
             ours = vals.get("pgcascade", float("inf"))
-            goal, ok = "", None
-            if stat == "median" and "native" in vals:
+            goal, ok = "", None  # the goals are set at 500 tps
+            if rate == 500 and stat == "median" and "native" in vals:
                 goal, ok = "<= 2x native", ours <= 2 * vals["native"]
-            elif stat == "p95":
+            elif rate == 500 and stat == "p95":
                 goal, ok = "<= 50 ms", ours <= 50
             if goal:
                 goals.append((f"W2b lag {stat} {goal}", ok))
             row(
-                f"W2b lag at 500 tps, {stat}",
+                f"W2b lag at {rate:,} tps, {stat}",
                 "ms",
                 NA,
                 vals,
@@ -1040,11 +1066,11 @@ def report(res: Results, systems: list[System], args: argparse.Namespace) -> lis
                 goal,
                 ("yes" if ok else "**no**") if goal else "",
             )
-    if res.w3:
-        ref = res.w3.get("reference", {}).get("secs")
-        vals = {k: res.w3[k]["secs"] for k in keys if k in res.w3}
+    for rows in sorted({n for _, n in res.w3}):
+        ref = res.w3.get(("reference", rows), {}).get("secs")
+        vals = {k: res.w3[(k, rows)]["secs"] for k in keys if (k, rows) in res.w3}
         row(
-            "W3 5,000,000 rows (640 MB) into an empty table until in sync",
+            f"W3 {rows:,} rows ({rows * 128 // 1_000_000:,} MB) into an empty table until in sync",
             "s",
             f"{ref:.2f}" if ref else NA,
             vals,
@@ -1054,9 +1080,11 @@ def report(res: Results, systems: list[System], args: argparse.Namespace) -> lis
         if ref:
             ratios = {k: v / ref for k, v in vals.items()}
             ok = ratios.get("pgcascade", float("inf")) <= 1.05
-            goals.append(("W3 in sync within 1.05x of the pipe + ADD PRIMARY KEY reference", ok))
+            goals.append(
+                (f"W3 ({rows:,} rows) in sync within 1.05x of the pipe + ADD PRIMARY KEY reference", ok)
+            )
             row(
-                "W3 time / reference",
+                f"W3 {rows:,} rows: time / reference",
                 "ratio",
                 "1.00",
                 ratios,
@@ -1130,11 +1158,11 @@ def details(res: Results) -> list[str]:
                 f" {', '.join(f'{n:,} in {d:.2f}s' for n, d in b)}; time outside the batches"
                 f" (start-up, waiting, polling): {r['secs'] - sum(d for _, d in b):.2f}s"
             )
-    for k, r in res.w2b.items():
-        out.append(f"- W2b {k}: {r['n']} heartbeats, pgbench ran at {r['tps']:.0f} tps")
-    for k, r in res.w3.items():
+    for (k, rate), r in res.w2b.items():
+        out.append(f"- W2b {k} at {rate:,} tps: {r['n']} heartbeats, pgbench ran at {r['tps']:.0f} tps")
+    for (k, rows), r in res.w3.items():
         parts = ", ".join(f"{n} {v:.2f}s" for n, v in r.items() if n not in ("secs", "rows"))
-        out.append(f"- W3 {k}: {r['secs']:.2f}s ({parts})")
+        out.append(f"- W3 {k}, {rows:,} rows: {r['secs']:.2f}s ({parts})")
     return out
 
 
@@ -1164,6 +1192,12 @@ def main(argv: list[str] | None = None) -> int:
         default="100000,20000,10000",
         help="W2a backlogs, in transactions (1000000 for the large one: its pgbench alone takes ~15 min)",
     )
+    ap.add_argument("--lag-rates", default="500,2000", help="W2b: the pgbench rates (tps) to measure lag at")
+    ap.add_argument(
+        "--w3-scales",
+        default="50",
+        help="W3: pgbench scales of the copied table (50 = 5M rows, 200 = 20M rows, ~2.6 GB)",
+    )
     ap.add_argument("--report", type=Path, help="also write the results as Markdown to this file")
     ap.add_argument("--keep-logs", action="store_true", help="keep the daemons' configs and logs")
     args = ap.parse_args(argv)
@@ -1175,6 +1209,8 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds = 1 if args.quick else 3
     w2b_seconds = 30
     backlogs = [20_000] if args.quick else sorted({int(b) for b in args.backlogs.split(",")}, reverse=True)
+    rates = [500] if args.quick else sorted({int(r) for r in args.lag_rates.split(",")})
+    w3_scales = sorted({int(x) for x in args.w3_scales.split(",")})
     wanted = [s.strip() for s in args.systems.split(",") if s.strip()]
     if "londiste" in wanted and not (Path(LONDISTE[1]).exists() and Path(PGQD).exists()):
         print(
@@ -1219,7 +1255,7 @@ def main(argv: list[str] | None = None) -> int:
             run_w1(env, systems, res, args.w1_seconds, args.rounds)
         full = [s for s in systems if not getattr(s, "w1_only", False)]
         if only & {"W2a", "W2b"}:
-            run_w2(env, full, res, backlogs, "W2a" in only, "W2b" in only, w2b_seconds)
+            run_w2(env, full, res, backlogs, rates, "W2a" in only, "W2b" in only, w2b_seconds)
         if only & {"W3", "W4"}:
             log("making the scale-50 template")
             with contextlib.suppress(psycopg.Error):
@@ -1227,12 +1263,16 @@ def main(argv: list[str] | None = None) -> int:
                     with c.connect() as conn:
                         conn.execute("drop database if exists tmpl10")
             make_template(prov, "tmpl50", 50)
-        if "W3" in only:
-            make_w3_subscriber_template(sub, "tmpl50_sub")
-            run_w3(env, full, res)
+        for scale in w3_scales if "W3" in only else []:
+            if scale != 50:
+                make_template(prov, f"tmpl{scale}", scale)
+            make_w3_subscriber_template(sub, f"tmpl{scale}_sub")
+            run_w3(env, full, res, scale)
+            for c, db in ((sub, f"tmpl{scale}_sub"), (prov, f"tmpl{scale}" if scale != 50 else "")):
+                if db:
+                    with contextlib.suppress(psycopg.Error), c.connect() as conn:
+                        conn.execute(f"drop database if exists {db}")
         if "W4" in only:
-            with contextlib.suppress(psycopg.Error), sub.connect() as conn:
-                conn.execute("drop database if exists tmpl50_sub")
             make_template(sub, "tmpl50", 50)
             run_w4(env, full, res)
         load = os.getloadavg()
