@@ -173,6 +173,12 @@ def add_tables(
     return added
 
 
+def make_two_way(conn: psycopg.Connection, table: str, keys: list[str]) -> None:
+    """A master's table with peers: its capture triggers fire in the peers' apply too (which tags
+    the events with their origin), and local deletes leave tombstones."""
+    conn.execute("select pgcascade.two_way_table(%s::regclass, %s, true)", (table, keys))
+
+
 def remove_tables(conn: psycopg.Connection, queue: str, patterns: list[str]) -> list[str]:
     known = set_tables(conn, queue)
     names = []

@@ -59,6 +59,7 @@ VERBS = {
     **dict.fromkeys(["compare", "repair", "spark-server", "sink"], "pipeline"),
     **dict.fromkeys(["provider", "subscriber", "replay"], "londiste2"),
     **dict.fromkeys(["import-londiste", "drop-londiste"], "londiste3"),
+    **dict.fromkeys(["add-peer", "conflicts"], "twoway"),
     "demo": "demo",
     "completion": "shell",
 }

@@ -9,13 +9,15 @@ import click
 import psycopg
 
 from pgcascade.capture import tables as set_tables
-from pgcascade.cascade import admin, waits
+from pgcascade.cascade import admin, peers, waits
 from pgcascade.cli.context import Context, echo_json, pass_ctx, require_subscriber, say
+from pgcascade.core import catalog
 from pgcascade.core.errors import UserError
 from pgcascade.monitor import report
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
 from pgcascade.replica import tables as subscriber
+from pgcascade.replica.conflicts import ConflictPolicy
 
 
 def echo_each(verb: str, names: list[str]) -> None:
@@ -35,6 +37,9 @@ def echo_each(verb: str, names: list[str]) -> None:
     default="json",
     show_default=True,
     help="Root: json or sql (the seed's partial SQL).",
+)
+@click.option(
+    "--conflict", "policy", help="Two-way master: this table's conflict policy (default: the peer's)."
 )
 @click.option("--expect-sync", is_flag=True, help="Subscriber: the table is in sync already; skip the copy.")
 @click.option("--skip-truncate", is_flag=True, help="Subscriber: keep the rows already there when copying.")
@@ -75,6 +80,7 @@ def add_table(
     all_tables: bool,
     key: str | None,
     event_format: str,
+    policy: str | None,
     find_copy_node: bool,
     merge_all: bool,
     wait_sync: bool,
@@ -93,10 +99,20 @@ def add_table(
     with ctx.this_node() as (conn, node):
         if node.role.captures_changes:
             keys = [k.strip() for k in key.split(",")] if key else None
-            echo_each(
-                "added", set_tables.add_tables(conn, queue, list(tables), all_tables, keys, event_format)
-            )
+            parsed = ConflictPolicy.parse(policy) if policy else None
+            added = set_tables.add_tables(conn, queue, list(tables), all_tables, keys, event_format)
+            peers.tables_added(conn, queue, added)
+            echo_each("added", added)
+            if parsed is not None:
+                named = set_tables.set_tables(conn, queue)
+                if not all_tables:
+                    wanted = {catalog.canonical(conn, t) for t in tables}
+                    named = {t: k for t, k in named.items() if t in wanted}
+                peers.set_table_policy(conn, queue, list(named), parsed)
+                echo_each(f"conflicts: {parsed} for", list(named))
             return
+        if policy:
+            raise UserError("--conflict is for a two-way master (add-peer)")
         if key or event_format != "json":
             raise UserError("--key and --format are set on the root, where tables are captured")
         if merge_all and not node.combined_queue:

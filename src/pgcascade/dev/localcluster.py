@@ -33,6 +33,7 @@ DEFAULT_SETTINGS: dict[str, str] = {
     "log_min_messages": "warning",
     "log_checkpoints": "off",
     "max_locks_per_transaction": "256",
+    "track_commit_timestamp": "on",  # two-way replication resolves conflicts by commit time
 }
 FAST_UNSAFE_SETTINGS = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
 

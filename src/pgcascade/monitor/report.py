@@ -24,6 +24,7 @@ from pgcascade.core.pgconn import scalar
 from pgcascade.monitor import copies
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
+from pgcascade.replica import conflicts
 from pgcascade.replica import tables as subscriber
 from pgcascade.replica.state import Phase
 
@@ -165,6 +166,8 @@ def node_report(conn: psycopg.Connection, node: nodes.Node) -> dict[str, Any]:
             report["capture"] = capture_report(conn, node.queue_name)
         if node.role.has_queue:
             report["queue"] = queue_report(conn, node.queue_name)
+        if node.role.is_root:
+            report["peers"] = peers_report(conn, node.queue_name)
         tables = table_rows(conn, node, prov)
         report["tables"] = tables
         per_state: dict[str, int] = {}
@@ -177,6 +180,31 @@ def node_report(conn: psycopg.Connection, node: nodes.Node) -> dict[str, Any]:
             if t.state.phase is Phase.IN_COPY
         ]
     return report
+
+
+def peers_report(conn: psycopg.Connection, own_queue: str) -> list[dict[str, Any]]:
+    """A two-way master: per peer, how far behind its queue this master is, and the conflicts."""
+    out = []
+    for p in nodes.peers(conn, own_queue):
+        try:
+            with provider_connection(conn, p) as prov:
+                lag = lag_on(prov, p)
+        except psycopg.Error as e:
+            lag = Lag(None, None, False, db_error_line(e))
+        error = nodes.last_error(conn, p.queue_name)
+        out.append(
+            {
+                "peer": p.provider_node,
+                "queue": p.queue_name,
+                "policy": p.conflict_policy,
+                "lag_seconds": lag.seconds,
+                "ticks_behind": lag.ticks_behind,
+                "reachable": lag.provider_reachable,
+                "conflicts": conflicts.conflict_count(conn, p.queue_name),
+                "last_error": error[0] if error else None,
+            }
+        )
+    return out
 
 
 def queue_report(conn: psycopg.Connection, queue: str) -> dict[str, Any]:

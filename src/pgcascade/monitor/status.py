@@ -172,6 +172,9 @@ def print_node_status(conn: psycopg.Connection, node: Node) -> None:
         console.print(queue_tables(conn))
         console.print(watermark_table(conn, node.queue_name))
     if node.role.captures_changes:
+        peers = report.peers_report(conn, node.queue_name)
+        if peers:
+            console.print(peer_table(peers))
         return
     r = report.node_report(conn, node)
     if not r["provider_reachable"]:
@@ -192,6 +195,24 @@ def print_node_status(conn: psycopg.Connection, node: Node) -> None:
         console.print(copy_line(p), highlight=False, soft_wrap=True)
     if r["last_error"]:
         console.print(f"[red]last error[/red] ({r['last_error_time']}): {r['last_error']}")
+
+
+def peer_table(peers: list[dict]) -> Table:
+    """A two-way master's peers: how far behind each peer's queue it is, its conflicts."""
+    t = Table(title="peers (two-way)", title_justify="left")
+    for col in ("peer", "queue", "lag", "ticks behind", "conflicts", "policy", "error"):
+        t.add_column(col, justify="right" if col in ("lag", "ticks behind", "conflicts") else "left")
+    for p in peers:
+        t.add_row(
+            p["peer"],
+            p["queue"],
+            fmt_seconds(p["lag_seconds"]) if p["reachable"] else "[red]unreachable[/red]",
+            "-" if p["ticks_behind"] is None else str(p["ticks_behind"]),
+            str(p["conflicts"]),
+            p["policy"] or "-",
+            p["last_error"] or "",
+        )
+    return t
 
 
 def fmt_seconds(s: float | None) -> str:

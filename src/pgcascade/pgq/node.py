@@ -74,6 +74,12 @@ class Node:
     paused: bool
     last_error: str | None
     combined_queue: str | None = None  # a merge-leaf: the combined queue it feeds
+    peer_of: str | None = None  # a two-way peer subscription: the queue this master is the root of
+    conflict_policy: str | None = None  # a peer subscription's default conflict policy
+
+    @property
+    def is_peer(self) -> bool:
+        return self.peer_of is not None
 
     @property
     def role(self) -> NodeRole:
@@ -85,7 +91,10 @@ class Node:
         return self.worker_name or self.node_name
 
 
-NODE_COLUMNS = "queue_name, node_name, node_type, provider_node, worker_name, last_tick, paused, last_error, combined_queue"
+NODE_COLUMNS = (
+    "queue_name, node_name, node_type, provider_node, worker_name, last_tick, paused, last_error,"
+    " combined_queue, peer_of, conflict_policy"
+)
 
 
 def _node_row(cursor: psycopg.Cursor) -> Callable[[Sequence[Any]], Node]:
@@ -146,10 +155,12 @@ def insert_node(
     provider: str | None = None,
     last_tick: int | None = None,
     combined_queue: str | None = None,
+    peer_of: str | None = None,
+    conflict_policy: str | None = None,
 ) -> None:
     conn.execute(
         "insert into pgcascade.node (queue_name, node_name, node_type, provider_node, worker_name, last_tick,"
-        " combined_queue) values (%s, %s, %s, %s, %s, %s, %s)",
+        " combined_queue, peer_of, conflict_policy) values (%s, %s, %s, %s, %s, %s, %s, %s, %s)",
         (
             queue_name,
             node_name,
@@ -158,8 +169,23 @@ def insert_node(
             node_name if provider else None,
             last_tick,
             combined_queue,
+            peer_of,
+            conflict_policy,
         ),
     )
+
+
+def peers(conn: psycopg.Connection, own_queue: str) -> list[Node]:
+    """The peer subscriptions of the master that is the root of `own_queue` (two-way)."""
+    with conn.cursor(row_factory=_node_row) as cur:
+        return cur.execute(
+            f"select {NODE_COLUMNS} from pgcascade.node where peer_of = %s order by provider_node",
+            (own_queue,),
+        ).fetchall()
+
+
+def set_conflict_policy(conn: psycopg.Connection, queue_name: str, policy: str) -> None:
+    conn.execute("update pgcascade.node set conflict_policy = %s where queue_name = %s", (policy, queue_name))
 
 
 def applied_tick(conn: psycopg.Connection, queue_name: str) -> int:

@@ -166,6 +166,16 @@ def tick_age(conn: psycopg.Connection, queue: str, tick: int) -> timedelta | Non
     return row[0] if row else None
 
 
+def tick_snapshot(conn: psycopg.Connection, queue: str, tick: int) -> str | None:
+    """The snapshot tick `tick` recorded, as text; None when the queue no longer has it."""
+    row = conn.execute(
+        "select t.tick_snapshot::text from pgcascade.tick t join pgcascade.queue q on q.queue_id = t.tick_queue"
+        " where q.queue_name = %s and t.tick_id = %s",
+        (queue, tick),
+    ).fetchone()
+    return row[0] if row else None
+
+
 def tick_covers_snapshot(conn: psycopg.Connection, queue: str, tick: int, snapshot: str) -> bool:
     """Whether tick `tick` was taken after every transaction visible in `snapshot`."""
     row = conn.execute(

@@ -70,6 +70,15 @@ def ensure_stage(sub: psycopg.Connection) -> None:
         _STAGED.add(sub)
 
 
+# a two-way peer's batch: the peer's own changes only (those its apply wrote for another master
+# carry that master in ev_extra4: that master sends them itself), and as ev_time each change's
+# commit time on the peer, which conflicts are resolved by
+PEER_SELECT = (
+    "ev_id, ev_txid, ev_type, ev_data, ev_extra1,"
+    " coalesce(pgcascade.commit_time(ev_txid::text::xid8), ev_time), ev_extra2, ev_extra3, ev_extra4"
+)
+
+
 def stage_batch(
     prov: psycopg.Connection,
     sub: psycopg.Connection,
@@ -77,21 +86,24 @@ def stage_batch(
     only_tables: list[str] | None = None,
     carry: bool = False,
     row_events: bool = True,
+    peer: bool = False,
 ) -> int:
     """Stream the batch's events from the provider into the subscriber's staging table; bytes
     moved.  `only_tables`: those tables' events only; `row_events=False`: all but row events
-    (applied elsewhere); `carry`: every field, for a branch that inserts them into its queue."""
+    (applied elsewhere); `carry`: every field, for a branch that inserts them into its queue;
+    `peer`: a two-way peer's batch (PEER_SELECT)."""
     ensure_stage(sub)
     assert batch.batch_id is not None
     batch_sql = batch.event_sql or q.batch_event_sql(prov, batch.batch_id)
-    cols = sql.SQL(CARRY_COLUMNS if carry else STAGE_COLUMNS)
-    conditions: list[sql.Composable] = []
+    cols = sql.SQL(CARRY_COLUMNS if carry or peer else STAGE_COLUMNS)
+    select = sql.SQL(PEER_SELECT) if peer else cols
+    conditions: list[sql.Composable] = [sql.SQL("ev_extra4 is null")] if peer else []
     if only_tables is not None:
         conditions.append(sql.SQL("ev_extra1 = any({}::text[])").format(sql.Literal(only_tables)))
     if not row_events:
         conditions.append(sql.SQL("ev_type not in ('I', 'U', 'D')"))
     query = sql.SQL("copy (select {} from ({}) b{}) to stdout").format(
-        cols,
+        select,
         sql.SQL(batch_sql),  # composed by the provider's own function, with quoted literals
         sql.SQL(" where ") + sql.SQL(" and ").join(conditions) if conditions else sql.SQL(""),
     )
@@ -229,6 +241,28 @@ class TableApplier:
             on_conflict=on_conflict,
         )
 
+    def apply_peer(self, sub: psycopg.Connection, lo: int, hi: int, peer: PeerBatch) -> int:
+        """A two-way peer's events, with conflict detection and resolution; conflicts found."""
+        return int(
+            scalar(
+                sub,
+                "select pgcascade.apply_peer_rows(%s, %s, %s, %s, %s::regclass, %s, %s, %s, %s, %s, %s)",
+                (
+                    peer.queue,
+                    peer.peer,
+                    peer.me,
+                    self.table,
+                    self.dest,
+                    self.keys,
+                    self.cols,
+                    lo,
+                    hi,
+                    peer.tick,
+                    peer.policies.get(self.table, peer.policy),
+                ),
+            )
+        )
+
     def params(self, lo: int, hi: int, skip: str | None) -> dict:
         return {"t": self.table, "lo": lo, "hi": hi, "skip": skip}
 
@@ -258,6 +292,18 @@ def merge_staged(sub: psycopg.Connection, combined: str, part: str, tick: int, t
     return n
 
 
+@dataclass(frozen=True)
+class PeerBatch:
+    """A two-way peer's batch being applied here: whose, which tick, with which policies."""
+
+    queue: str  # the peer's queue
+    peer: str  # the peer master's node name
+    me: str  # this master's node name
+    tick: int  # the batch's tick on the peer's queue
+    policy: str
+    policies: dict[str, str]  # per-table policies
+
+
 class ApplyError(RuntimeFailure):
     """An event could not be applied; the message names the table and the server's reason."""
 
@@ -267,6 +313,7 @@ class BatchStats:
     count: int = 0
     ignored: int = 0
     executed: int = 0  # EXECUTE (DDL) events run
+    conflicts: int = 0  # two-way: conflicts found (and resolved) at apply
     table_list: list[str] | None = None  # the set's tables, from the last T event
     per_table: dict[str, int] = field(default_factory=dict)  # row events by table
 
@@ -282,10 +329,12 @@ def apply_staged(
     appliers: dict[str, TableApplier],
     skip: str | None = None,
     queue: str | None = None,
+    peer: PeerBatch | None = None,
 ) -> BatchStats:
     """Apply the staged batch: segments of row events between barrier events, in ev_id order.
     Copy processes pass the copy's snapshot as `skip`; the worker passes its `queue`, for the
-    set's own events (locations, watermark), which copy processes leave to it."""
+    set's own events (locations, watermark), which copy processes leave to it; and `peer` for
+    a two-way peer's batch."""
     stats = BatchStats()
     with sub.pipeline():  # one round trip: the barriers, and the tables if there are none
         barrier_rows = sub.execute(
@@ -298,7 +347,7 @@ def apply_staged(
     pending_truncate: list[str] = []
     lo = 0
     for ev_id, ev_type, ev_data, ev_extra1, ev_extra2 in [*barriers, (MAX_EV_ID, None, None, None, None)]:
-        apply_segment(sub, appliers, lo, ev_id, skip, stats, pending_truncate, only_segment)
+        apply_segment(sub, appliers, lo, ev_id, skip, stats, pending_truncate, only_segment, peer)
         lo = ev_id + 1
         if ev_type is None:
             flush_truncate(sub, pending_truncate)
@@ -370,6 +419,7 @@ def apply_segment(
     stats: BatchStats,
     pending_truncate: list[str],
     rows: list[tuple] | None = None,
+    peer: PeerBatch | None = None,
 ) -> None:
     """Apply the row events with lo <= ev_id < hi; truncates that precede them go first
     (consecutive TRUNCATE events with no rows between them become one statement).  `rows`:
@@ -387,14 +437,19 @@ def apply_segment(
             stats.ignored += n
         else:
             todo.append((a, bool(partial_sql)))
-    done = apply_set_based_together(
-        sub, [a for a, partial in todo if a.set_based and not partial], lo, hi, skip
-    )
+    done = set()
+    if peer is None:
+        done = apply_set_based_together(
+            sub, [a for a, partial in todo if a.set_based and not partial], lo, hi, skip
+        )
     for a, partial in todo:
         if a.table in done:
             continue
         try:
-            a.apply(sub, lo, hi, skip, rowwise=partial)
+            if peer is not None:
+                stats.conflicts += a.apply_peer(sub, lo, hi, peer)
+            else:
+                a.apply(sub, lo, hi, skip, rowwise=partial)
         except psycopg.OperationalError:
             raise
         except psycopg.Error as e:

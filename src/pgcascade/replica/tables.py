@@ -256,6 +256,35 @@ def add_tables(
     return added
 
 
+def subscribe_peer_tables(conn: psycopg.Connection, peer_queue: str, tables: dict[str, list[str]]) -> None:
+    """A master subscribes to its tables in a peer's queue: in state ok (the masters hold the same
+    rows), and writable (a master takes local writes)."""
+    for table, keys in tables.items():
+        conn.execute(
+            "insert into pgcascade.subscriber_table (queue_name, table_name, dest_table, key_columns, state,"
+            " local_writes) values (%s, %s, %s, %s, %s, true) on conflict (queue_name, table_name) do nothing",
+            (peer_queue, table, table, keys, states.OK.stored()),
+        )
+
+
+def peer_policies(conn: psycopg.Connection, peer_queue: str) -> dict[str, str]:
+    """Per-table conflict policies of a peer subscription (the others use the node's)."""
+    return dict(
+        conn.execute(
+            "select table_name, conflict_policy from pgcascade.subscriber_table"
+            " where queue_name = %s and conflict_policy is not null",
+            (peer_queue,),
+        ).fetchall()
+    )
+
+
+def set_peer_policy(conn: psycopg.Connection, peer_queues: list[str], tables: list[str], policy: str) -> None:
+    conn.execute(
+        "update pgcascade.subscriber_table set conflict_policy = %s where queue_name = any(%s) and table_name = any(%s)",
+        (policy, peer_queues, tables),
+    )
+
+
 def provider_lacks(prov: psycopg.Connection, queue: str, wanted: list[str]) -> dict[str, str]:
     """Tables a provider cannot give an initial copy of now, with the reason: a branch carries
     every table's events but holds rows only of the tables it replicates itself, in state ok."""

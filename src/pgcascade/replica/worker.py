@@ -10,7 +10,8 @@ A branch also carries the batch: the same transaction inserts every event into i
 (same ids) and makes the provider's tick with the same id, so every node with a queue presents
 identical batches and a subscriber can move to any of them.  After its batches the worker
 reports its watermark (the lowest tick it and the nodes below it need) to the provider.  A
-root's worker waits: a takeover may make the node a branch.
+root's worker replays the queues of its two-way peers (a worker per peer subscription, in
+this process), or waits: a takeover may make the node a branch.
 
 Between batches the worker drives the copy state machine (seed 000), owning the states NULL
 and wanna-sync:T (copies.py); the copy processes it launches own the others (copy.py):
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import selectors
 import time
 
 import psycopg
@@ -43,12 +45,14 @@ from pgcascade.replica.apply import (
     APPLY_SETTINGS,
     STAGE_TABLE,
     BatchStats,
+    PeerBatch,
     TableApplier,
     apply_staged,
     ensure_stage,
     merge_staged,
     stage_batch,
 )
+from pgcascade.replica.conflicts import DEFAULT_POLICY
 from pgcascade.replica.copies import CopyLauncher
 from pgcascade.replica.copy import BulkCopier
 from pgcascade.replica.parallel import ParallelApply, ahead_of, left_out
@@ -101,11 +105,17 @@ class Worker(Daemon):
         self.parallel = ParallelApply(
             cfg.db, cfg.worker.apply_connections, cfg.worker.parallel_apply_min_events
         )
+        self.peer_workers: dict[str, Worker] = {}  # a master's: peer queue -> its worker
+        self.retry_at = 0.0  # a peer's worker after an error: not before then
+        self.backoff = 0.0
 
     def reload(self) -> None:
         self.copies.cfg = self.cfg
         self.parallel.lanes = self.cfg.worker.apply_connections
         self.parallel.min_events = self.cfg.worker.parallel_apply_min_events
+        for queue, w in self.peer_workers.items():
+            w.cfg = self.cfg.with_changes(queue_name=queue)
+            w.reload()
 
     # --- connections ---
     def connect(self) -> tuple[psycopg.Connection, psycopg.Connection | None, nodes.Node]:
@@ -135,6 +145,8 @@ class Worker(Daemon):
         return self.sub, self.prov, node
 
     def drop_connections(self) -> None:
+        for w in self.peer_workers.values():
+            w.drop_connections()
         self.parallel.close()
         for c in (self.sub, self.prov):
             if c is not None:
@@ -144,6 +156,9 @@ class Worker(Daemon):
 
     def sleep(self, seconds: float) -> None:
         """Wait for the provider's next tick (NOTIFY), at most `seconds`."""
+        if self.peer_workers:
+            self.sleep_on_peers(seconds)
+            return
         if self.prov is not None and not self.prov.closed:
             try:
                 for _ in self.prov.notifies(timeout=seconds, stop_after=1):
@@ -153,11 +168,28 @@ class Worker(Daemon):
                 self.drop_connections()
         time.sleep(seconds)
 
+    def sleep_on_peers(self, seconds: float) -> None:
+        """A master: wait for the next tick of any peer's queue, at most `seconds`."""
+        conns = [w.prov for w in self.peer_workers.values() if w.prov is not None and not w.prov.closed]
+        try:
+            for c in conns:  # a tick that came in during the last round's statements
+                for _ in c.notifies(timeout=0, stop_after=1):
+                    return
+            with selectors.DefaultSelector() as sel:
+                for c in conns:
+                    sel.register(c.fileno(), selectors.EVENT_READ)
+                if conns:
+                    sel.select(seconds)
+                    return
+        except psycopg.Error:
+            self.drop_connections()
+        time.sleep(seconds)
+
     # --- the loop ---
     def work(self) -> bool:
         sub, prov, node = self.connect()
         if prov is None:
-            return False
+            return self.work_peers(sub) if node.role.is_root else False
         if node.paused:
             if self.metrics and time.monotonic() >= self.next_watermark:
                 self.next_watermark = time.monotonic() + self.cfg.worker.watermark_period
@@ -190,6 +222,36 @@ class Worker(Daemon):
         self.report_watermark(sub, prov, node)
         return info.batch_id is not None
 
+    def work_peers(self, sub: psycopg.Connection) -> bool:
+        """A master replays each of its peers' queues in turn; one peer's failure (its error is
+        in its node row) holds back that peer only."""
+        subscribed = {p.queue_name for p in nodes.peers(sub, self.queue)}
+        for queue in set(self.peer_workers) - subscribed:
+            self.peer_workers.pop(queue).shutdown()
+        for queue in sorted(subscribed - set(self.peer_workers)):
+            w = Worker(self.cfg.with_changes(queue_name=queue), self.copies.bulk)
+            w.metrics = self.metrics
+            self.peer_workers[queue] = w
+        busy = False
+        for queue, w in self.peer_workers.items():
+            if time.monotonic() < w.retry_at:
+                continue
+            try:
+                busy = w.work() or busy
+                w.backoff = 0.0
+            except psycopg.OperationalError as e:
+                w.drop_connections()
+                w.fail(e, queue)
+            except Exception as e:  # the peer's batch failed: the others go on
+                w.fail(e, queue)
+        return busy
+
+    def fail(self, e: Exception, queue: str) -> None:
+        self.backoff = min(max(self.backoff * 2, 1.0), 30.0)
+        self.retry_at = time.monotonic() + self.backoff
+        log.error("peer queue %s: %s (retrying in %.0fs)", queue, str(e).strip(), self.backoff)
+        self.report_error(e)
+
     def process_batch(
         self,
         sub: psycopg.Connection,
@@ -206,7 +268,7 @@ class Worker(Daemon):
         with sub.transaction():
             sub.execute(APPLY_SETTINGS)
             lanes = None
-            if self.parallel.wanted(node, info):
+            if not node.is_peer and self.parallel.wanted(node, info):
                 lanes = self.parallel.apply(sub, prov, self.queue, node, info, appliers)
                 self.phases.mark("lanes")
             now = nodes.lock_node(sub, self.queue)
@@ -235,11 +297,12 @@ class Worker(Daemon):
             self.applier_key = ()  # DDL ran: read the tables' definitions again
         duration = time.monotonic() - started
         log.info(
-            "{count: %d, ignored: %d, duration: %.3f, %s}",
+            "{count: %d, ignored: %d, duration: %.3f, %s%s}",
             stats.count,
             stats.ignored,
             duration,
             self.phases,
+            f", conflicts: {stats.conflicts}" if node.is_peer else "",
         )
         if self.metrics:
             labels = (self.queue, node.node_name)
@@ -263,20 +326,28 @@ class Worker(Daemon):
         assert info.batch_id is not None and info.cur_tick_id is not None
         carry = node.role.copies_events or bool(node.combined_queue)
         self.phases.mark("prepare")
+        peer = self.peer_batch(sub, node, info.cur_tick_id)
         if rows_applied is None:
-            stage_batch(prov, sub, info, carry=carry)
+            stage_batch(prov, sub, info, carry=carry, peer=peer is not None)
             self.phases.mark("stage")
         if node.combined_queue:
             self.drop_partition_truncates(sub)
         elif carry:
             q.carry_events(sub, self.queue, STAGE_TABLE)
-        stats = apply_staged(sub, appliers, queue=self.queue)
+        stats = apply_staged(sub, appliers, queue=self.queue, peer=peer)
         if rows_applied is not None:
             stats.add(rows_applied)
         self.phases.mark("apply")
         if node.combined_queue:
             merge_staged(sub, node.combined_queue, self.queue, info.cur_tick_id, list(appliers))
-        if stats.table_list is not None:
+        if peer is not None:
+            assert node.peer_of is not None
+            snapshot = q.tick_snapshot(prov, self.queue, info.cur_tick_id)
+            sub.execute(
+                "select pgcascade.peer_batch_done(%s, %s, %s, %s, %s)",
+                (node.peer_of, self.queue, peer.peer, info.cur_tick_id, snapshot),
+            )
+        elif stats.table_list is not None:
             self.drop_tables_left_the_set(sub, prov, tables, stats.table_list)
             if node.role.copies_events:
                 set_tables.mirror_set_tables(sub, self.queue, set_tables.set_table_rows(prov, self.queue))
@@ -286,6 +357,22 @@ class Worker(Daemon):
         subscriber.sync_sequences(prov, sub, self.queue)
         self.phases.mark("record")
         return stats
+
+    def peer_batch(self, sub: psycopg.Connection, node: nodes.Node, tick: int) -> PeerBatch | None:
+        """A two-way peer's batch: its changes are applied as this peer's (the capture triggers
+        tag what they write with it), with conflicts resolved by the policies."""
+        if not node.is_peer:
+            return None
+        assert node.provider_node is not None and node.peer_of is not None
+        sub.execute("select set_config('pgcascade.origin', %s, true)", (node.provider_node,))
+        return PeerBatch(
+            self.queue,
+            node.provider_node,
+            node.node_name,
+            tick,
+            node.conflict_policy or DEFAULT_POLICY,
+            subscriber.peer_policies(sub, self.queue),
+        )
 
     # --- a merge-leaf (combined partitions) ---
     def combined_is_root(self, sub: psycopg.Connection, node: nodes.Node) -> bool:

@@ -45,6 +45,14 @@ language sql immutable as $$
            || ' || '' where '' || ' || pgcascade.capture_sql_where_expr(i_old, i_keys)
 $$;
 
+-- pgcascade.origin_rare() -> the rare fields of a captured event: null, or ev_extra4 = the
+-- origin master when a two-way peer's apply (which sets pgcascade.origin) made the change.
+create or replace function pgcascade.origin_rare() returns pgcascade.event_rare
+language sql stable as $$
+    select case when coalesce(current_setting('pgcascade.origin', true), '') <> ''
+                then row(null, null, current_setting('pgcascade.origin', true), null, null)::pgcascade.event_rare end
+$$;
+
 -- pgcascade.capture_functions(queue, table, key_columns, format) -> void.
 -- (Re)creates the table's capture functions for the queue's current state: they insert into
 -- its current partition, or refuse every change while the queue has disable_insert set.  Key
@@ -87,8 +95,10 @@ begin
         end if;
     end loop;
     fn := 'capture_' || i_table::oid;
-    q_insert := format('insert into pgcascade.%I (ev_id, ev_time, ev_part, ev_type, ev_data, ev_extra1)'
-                       ' select nextval(%L::regclass), now(), %s, %%s, %%s, v_table from %%s',
+    -- ev_extra4 (in ev_rare) names the master a two-way peer's apply wrote the change for: its
+    -- peers skip such events (no echo), leaves under this master apply them
+    q_insert := format('insert into pgcascade.%I (ev_id, ev_time, ev_part, ev_type, ev_data, ev_extra1, ev_rare)'
+                       ' select nextval(%L::regclass), now(), %s, %%s, %%s, v_table, v_rare from %%s',
                        pgcascade.queue_part_name(q.queue_id, q.queue_cur_table), q.queue_event_seq::text,
                        q.queue_id * 16 + q.queue_cur_table);
     if i_format = 'json' then
@@ -119,6 +129,7 @@ end $f$, split_part(op, ':', 2), msg));
         body := $f$
 declare
     v_table text := format('%%I.%%I', TG_TABLE_SCHEMA, TG_TABLE_NAME);
+    v_rare pgcascade.event_rare := pgcascade.origin_rare();
 begin
     %s;
     return null;
@@ -137,7 +148,8 @@ end $f$;
     execute format('create or replace function pgcascade.%I() returns trigger language plpgsql as %L',
         fn || '_trunc', format($f$
 begin
-    perform pgcascade.insert_event(%L, 'R', null, format('%%I.%%I', TG_TABLE_SCHEMA, TG_TABLE_NAME), null, null, null);
+    perform pgcascade.insert_event(%L, 'R', null, format('%%I.%%I', TG_TABLE_SCHEMA, TG_TABLE_NAME), null, null,
+                                   nullif(current_setting('pgcascade.origin', true), ''));
     return null;
 end $f$, i_queue));
 end $$;

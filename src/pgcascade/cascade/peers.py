@@ -1,0 +1,122 @@
+"""Two-way replication: masters that are peers of each other (docs/two-way.md).
+
+Every master is the root of its own queue.  `add-peer` makes it a subscriber of another
+master's queue as well: a node row of that queue here (`peer_of` = this master's queue), its
+consumer registered there, and this master's tables subscribed in state ok (every master holds
+the same rows; a table the peer adds later is in its set then).  The worker of the master replays every peer's queue (replica/worker.py).
+"""
+
+from __future__ import annotations
+
+import psycopg
+
+from pgcascade.capture import tables as set_tables
+from pgcascade.core import pgconn
+from pgcascade.core.errors import UserError
+from pgcascade.pgq import node as nodes
+from pgcascade.pgq import queue as q
+from pgcascade.pgq.node import NodeType
+from pgcascade.replica import tables as subscriber
+from pgcascade.replica.conflicts import ConflictPolicy
+
+
+def require_commit_timestamps(conn: psycopg.Connection, where: str) -> None:
+    """Conflicts are resolved by the changes' commit times: both masters must record them."""
+    row = conn.execute("show track_commit_timestamp").fetchone()
+    if not row or row[0] != "on":
+        raise UserError(
+            f"{where} runs with track_commit_timestamp = off: two-way replication needs it on"
+            " (set it in postgresql.conf and restart that server)"
+        )
+
+
+def peer_queue(prov: psycopg.Connection, peer: str) -> str:
+    """The queue the master `peer` at that location is the root of."""
+    row = prov.execute(
+        "select queue_name from pgcascade.node where node_type = 'root' and node_name = %s and peer_of is null",
+        (peer,),
+    ).fetchone()
+    if row is None:
+        raise UserError(f"no master named {peer!r} at that location: run create-root {peer} there first")
+    return row[0]
+
+
+def add_peer(
+    conn: psycopg.Connection, own_queue: str, peer: str, location: str, policy: ConflictPolicy
+) -> bool:
+    """Subscribe this master to master `peer`'s queue; False if it was already (its location
+    and policy are updated then)."""
+    me = nodes.require_node(conn, own_queue)
+    if not me.role.is_root:
+        raise UserError(
+            f"this node is a {me.node_type} of {own_queue}: add-peer is for masters (create-root)"
+        )
+    if peer == me.node_name:
+        raise UserError(f"{peer} is this master's own name")
+    require_commit_timestamps(conn, "this master")
+    policy.check_function(conn)
+    own_location = nodes.node_location(conn, own_queue, me.node_name)
+    with pgconn.connect(location, autocommit=True, connect_timeout=10) as prov:
+        require_commit_timestamps(prov, f"master {peer}")
+        queue = peer_queue(prov, peer)
+        if queue == own_queue:
+            raise UserError(
+                f"master {peer} is the root of queue {queue!r} too: every master needs a queue of its own"
+            )
+        existing = nodes.get_node(conn, queue)
+        if existing is not None:
+            if existing.peer_of != own_queue:
+                raise UserError(
+                    f"this database is already node {existing.node_name} of {queue}: not a peer of it"
+                )
+            with conn.transaction():
+                nodes.set_location(conn, queue, peer, location)
+                nodes.set_conflict_policy(conn, queue, str(policy))
+            return False
+        with prov.transaction():
+            q.register_consumer(prov, queue, me.node_name)
+            position = q.consumer_tick(prov, queue, me.node_name)
+            assert position is not None
+            nodes.set_location(prov, queue, me.node_name, own_location)
+    ours = set_tables.set_tables(conn, own_queue)
+    with conn.transaction():
+        nodes.insert_node(
+            conn,
+            queue,
+            me.node_name,
+            NodeType.LEAF,
+            peer,
+            position[0],
+            peer_of=own_queue,
+            conflict_policy=str(policy),
+        )
+        nodes.set_location(conn, queue, peer, location)
+        nodes.set_location(conn, queue, me.node_name, own_location)
+        subscriber.subscribe_peer_tables(conn, queue, ours)
+        for table, keys in ours.items():
+            set_tables.make_two_way(conn, table, keys)
+    return True
+
+
+def tables_added(conn: psycopg.Connection, own_queue: str, added: list[str]) -> None:
+    """add-table on a master with peers: the new tables are two-way, and subscribed from every peer."""
+    peer_nodes = nodes.peers(conn, own_queue)
+    if not peer_nodes or not added:
+        return
+    ours = set_tables.set_tables(conn, own_queue)
+    with conn.transaction():
+        for table in added:
+            set_tables.make_two_way(conn, table, ours[table])
+        for p in peer_nodes:
+            subscriber.subscribe_peer_tables(conn, p.queue_name, {t: ours[t] for t in added})
+
+
+def set_table_policy(
+    conn: psycopg.Connection, own_queue: str, tables: list[str], policy: ConflictPolicy
+) -> None:
+    """The conflict policy of these tables, whichever peer the change comes from."""
+    queues = [p.queue_name for p in nodes.peers(conn, own_queue)]
+    if not queues:
+        raise UserError("--conflict is for a two-way master: add its peers first (add-peer)")
+    policy.check_function(conn)
+    subscriber.set_peer_policy(conn, queues, tables, str(policy))

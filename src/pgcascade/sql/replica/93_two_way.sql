@@ -1,0 +1,251 @@
+-- Two-way replication (docs/two-way.md): the server side of a master's apply of its peers.
+--
+-- Versions.  A row's version is (commit time on its origin, origin master).  A row written here
+-- by a local transaction has this master as origin and its commit time from
+-- track_commit_timestamp (its xmin).  A row last written by a peer's apply has a row_version
+-- entry whose xid is that apply's transaction: it keeps the origin's own commit time, so every
+-- master compares the same versions and last-update-wins converges.  A deleted row leaves a
+-- tombstone there (local deletes through pgcascade.record_tombstones).
+--
+-- Seen.  A remote change conflicts with the local version only if the peer had not applied
+-- that version when it made its change.  Each master's apply of a peer's batch writes a marker
+-- into its own queue ('pgcascade.peer-seen': ev_data = the peer's tick, ev_extra1 = the peer,
+-- ev_extra2 = that tick's snapshot); reading a peer's events in order, the last marker before
+-- a change says how far the peer had applied each origin.
+
+-- pgcascade.commit_time(xid8) -> the transaction's commit time (track_commit_timestamp), or null.
+create or replace function pgcascade.commit_time(i_xid xid8) returns timestamptz
+language sql stable as $$
+    select pg_xact_commit_timestamp((i_xid::text::int8 % 4294967296)::text::xid)
+$$;
+
+-- pgcascade.xid8_of(xid) -> the full transaction id of a recent 32-bit one (a row's xmin).
+create or replace function pgcascade.xid8_of(i_xid xid) returns xid8
+language sql stable as $$
+    select (case when x <= c % 4294967296 then (c / 4294967296) * 4294967296 + x
+                 else (c / 4294967296 - 1) * 4294967296 + x end)::text::xid8
+      from (select pg_snapshot_xmax(pg_current_snapshot())::text::int8 c, i_xid::text::int8 x) s
+$$;
+
+-- pgcascade.key_array_expr(alias, keys) -> the SQL expression of a row's key as a jsonb array.
+create or replace function pgcascade.key_array_expr(i_alias text, i_keys text[]) returns text
+language sql immutable as $$
+    select format('jsonb_build_array(%s)',
+                  array_to_string(array(select format('%s.%I', i_alias, k) from unnest(i_keys) k), ', '))
+$$;
+
+-- pgcascade.record_tombstones(): AFTER DELETE / UPDATE statement trigger on a master's two-way
+-- tables (TG_ARGV = the key columns).  A local delete (or the old key of a key-changing update)
+-- leaves a tombstone, so a peer's concurrent change to that row is seen as a conflict and
+-- resolved by time.  A peer's apply (pgcascade.origin set) writes its own.
+create or replace function pgcascade.record_tombstones() returns trigger
+language plpgsql as $$
+declare
+    v_key_old text := pgcascade.key_array_expr('o', TG_ARGV::text[]);
+begin
+    if coalesce(current_setting('pgcascade.origin', true), '') <> '' then
+        return null;
+    end if;
+    execute format(
+        'insert into pgcascade.row_version (table_name, row_key, origin, origin_tick, origin_time, xid, deleted)'
+        ' select %L, %s, null, null, null, pg_current_xact_id(), true from pgcascade_old o %s'
+        ' on conflict (table_name, row_key) do update set origin = null, origin_tick = null,'
+        ' origin_time = null, xid = excluded.xid, deleted = true',
+        format('%I.%I', TG_TABLE_SCHEMA, TG_TABLE_NAME), v_key_old,
+        case when TG_OP = 'UPDATE'
+             then format('where not exists (select 1 from pgcascade_new n where %s = %s)',
+                         pgcascade.key_array_expr('n', TG_ARGV::text[]), v_key_old)
+             else '' end);
+    return null;
+end $$;
+
+-- pgcascade.two_way_table(table, keys, on) -> void: make a set table of a master two-way (its
+-- capture triggers fire in a peer's apply too, which runs as a replica session; tombstones of
+-- local deletes) or one-way again.
+create or replace function pgcascade.two_way_table(i_table regclass, i_keys text[], i_on bool) returns void
+language plpgsql as $$
+declare
+    t text;
+begin
+    foreach t in array array['_pgcascade_capture_ins', '_pgcascade_capture_upd', '_pgcascade_capture_del',
+                             '_pgcascade_capture_trunc'] loop
+        if exists (select 1 from pg_trigger where tgrelid = i_table and tgname = t) then
+            execute format('alter table %s enable %s trigger %I', i_table, case when i_on then 'always' else '' end, t);
+        end if;
+    end loop;
+    execute format('drop trigger if exists _pgcascade_tombstone_del on %s', i_table);
+    execute format('drop trigger if exists _pgcascade_tombstone_upd on %s', i_table);
+    if i_on then
+        execute format('create trigger _pgcascade_tombstone_del after delete on %s referencing old table as pgcascade_old'
+                       ' for each statement execute function pgcascade.record_tombstones(%s)',
+                       i_table, array_to_string(array(select quote_literal(k) from unnest(i_keys) k), ', '));
+        execute format('create trigger _pgcascade_tombstone_upd after update on %s'
+                       ' referencing old table as pgcascade_old new table as pgcascade_new'
+                       ' for each statement execute function pgcascade.record_tombstones(%s)',
+                       i_table, array_to_string(array(select quote_literal(k) from unnest(i_keys) k), ', '));
+    end if;
+end $$;
+
+-- pgcascade.apply_peer_rows(peer_queue, peer, self, table, dest, keys, cols, lo, hi, tick, policy)
+--   -> conflicts found.
+-- Applies one table's staged row events (lo <= ev_id < hi) of a peer's batch, set-based, with
+-- conflict detection and resolution per key.  Runs without a savepoint, so that the rows it
+-- writes carry the apply's own transaction id (row_version.xid).  The staged ev_time is the
+-- change's commit time on the peer.
+create or replace function pgcascade.apply_peer_rows(
+    i_peer_queue text, i_peer text, i_self text, i_table text, i_dest regclass, i_keys text[], i_cols text[],
+    i_lo int8, i_hi int8, i_tick int8, i_policy text)
+returns int8
+language plpgsql as $$
+declare
+    v_key_r text := pgcascade.key_array_expr('r', i_keys);
+    v_match text := array_to_string(array(
+        select format('t.%I = (n.row_key->>%s)::%s', k, i - 1,
+                      format_type(a.atttypid, a.atttypmod))
+          from unnest(i_keys) with ordinality u(k, i)
+          join pg_attribute a on a.attrelid = i_dest and a.attname = u.k
+         order by i), ' and ');
+    v_cols text := array_to_string(array(select quote_ident(c) from unnest(i_cols) c), ', ');
+    v_rcols text := array_to_string(array(select 'r.' || quote_ident(c) from unnest(i_cols) c), ', ');
+    v_set text := array_to_string(array(select format('%I = excluded.%I', c, c) from unnest(i_cols) c
+                                          where c <> all(i_keys)), ', ');
+    v_lww text := '(case when coalesce(n.local_time, ''-infinity'') < n.remote_time'
+                  ' or (coalesce(n.local_time, ''-infinity'') = n.remote_time and n.local_origin < %L)'
+                  ' then ''remote'' else ''local'' end)';
+    v_fuw text := '(case when coalesce(n.local_time, ''-infinity'') > n.remote_time'
+                  ' or (coalesce(n.local_time, ''-infinity'') = n.remote_time and n.local_origin > %L)'
+                  ' then ''remote'' else ''local'' end)';
+    v_winner text;
+    v_conflicts int8;
+    v_first record;
+begin
+    if to_regclass('pg_temp.pgcascade_peer_net') is null then
+        create temp table pgcascade_peer_net (
+            row_key jsonb, first_ev int8, first_type text, ev_type text, ev_data text, remote_time timestamptz,
+            local_exists bool not null default false, local_row jsonb, local_xmin xid, local_xid xid8,
+            rv_origin text, rv_tick int8, rv_time timestamptz, rv_xid xid8, rv_deleted bool,
+            local_kind text, local_origin text, local_time timestamptz, seen bool, conflict text, winner text
+        ) on commit delete rows;
+    end if;
+    truncate pg_temp.pgcascade_peer_net;
+    -- the net change per key: the last event wins; the first says how the peer's change began
+    execute format(
+        'insert into pg_temp.pgcascade_peer_net (row_key, first_ev, first_type, ev_type, ev_data, remote_time)'
+        ' select distinct on (k) k, min(s.ev_id) over (partition by k),'
+        '        first_value(s.ev_type) over (partition by k order by s.ev_id), s.ev_type, s.ev_data, s.ev_time'
+        '   from pg_temp.pgcascade_stage s'
+        '  cross join lateral json_populate_record(null::%s, s.ev_data::json) r'
+        '  cross join lateral (select %s as k) kk'
+        '  where s.ev_extra1 = $1 and s.ev_id >= $2 and s.ev_id < $3 and s.ev_type in (''I'', ''U'', ''D'')'
+        '  order by k, s.ev_id desc', i_dest, v_key_r)
+        using i_table, i_lo, i_hi;
+    -- the local row, and its version
+    execute format(
+        'update pg_temp.pgcascade_peer_net n set local_exists = true, local_row = to_jsonb(t),'
+        ' local_xmin = t.xmin, local_xid = pgcascade.xid8_of(t.xmin) from %s t where %s', i_dest, v_match);
+    update pg_temp.pgcascade_peer_net n
+       set (rv_origin, rv_tick, rv_time, rv_xid, rv_deleted) =
+           (select origin, origin_tick, origin_time, xid, deleted from pgcascade.row_version v
+             where v.table_name = i_table and v.row_key = n.row_key);
+    update pg_temp.pgcascade_peer_net n set
+        local_kind = case when n.local_exists and n.rv_xid = n.local_xid and not n.rv_deleted then 'peer'
+                          when n.local_exists then 'local'
+                          when n.rv_deleted and n.rv_origin is null then 'local'
+                          when n.rv_deleted then 'peer' end,
+        local_origin = case when n.local_exists and n.rv_xid = n.local_xid and not n.rv_deleted then n.rv_origin
+                            when n.local_exists then i_self
+                            when n.rv_deleted then coalesce(n.rv_origin, i_self) end,
+        local_time = case when n.local_exists and n.rv_xid = n.local_xid and not n.rv_deleted then n.rv_time
+                          when n.local_exists then pg_xact_commit_timestamp(n.local_xmin)
+                          when n.rv_deleted and n.rv_origin is null then pgcascade.commit_time(n.rv_xid)
+                          when n.rv_deleted then n.rv_time end;
+    -- had the peer applied the local version when it made its change?
+    update pg_temp.pgcascade_peer_net n set seen = case
+        when n.local_kind is null or n.local_origin = i_peer then true
+        when n.local_origin = i_self then coalesce(pg_visible_in_snapshot(
+                 case when n.local_exists then n.local_xid else n.rv_xid end,
+                 coalesce((select m.ev_extra2::pg_snapshot from pg_temp.pgcascade_stage m
+                            where m.ev_type = 'pgcascade.peer-seen' and m.ev_extra1 = i_self and m.ev_id < n.first_ev
+                            order by m.ev_id desc limit 1),
+                          (select p.seen_snapshot from pgcascade.peer_seen p
+                            where p.queue_name = i_peer_queue and p.origin = i_self))), false)
+        else coalesce(n.rv_tick <= coalesce(
+                 (select m.ev_data::int8 from pg_temp.pgcascade_stage m
+                   where m.ev_type = 'pgcascade.peer-seen' and m.ev_extra1 = n.local_origin and m.ev_id < n.first_ev
+                   order by m.ev_id desc limit 1),
+                 (select p.seen_tick from pgcascade.peer_seen p
+                   where p.queue_name = i_peer_queue and p.origin = n.local_origin)), false) end;
+    update pg_temp.pgcascade_peer_net n set conflict = case
+        when n.first_type = 'I' and n.local_exists then 'insert/insert'
+        when n.ev_type = 'D' and not n.local_exists and n.first_type <> 'I' then 'delete/delete'
+        when n.seen then null
+        when n.local_exists and n.ev_type = 'D' then 'update/delete'
+        when n.local_exists then 'update/update'
+        else 'update/delete' end;
+    -- who wins, by the policy
+    v_winner := case
+        when i_policy = 'apply-remote' then '''remote'''
+        when i_policy = 'keep-local' then '''local'''
+        when i_policy = 'last-update-wins' then format(v_lww, i_peer)
+        when i_policy = 'first-update-wins' then format(v_fuw, i_peer)
+        when i_policy like 'origin-wins:%' then format(
+            '(case when %L = %L then ''remote'' when n.local_origin = %L then ''local'' else %s end)',
+            i_peer, substr(i_policy, 13), substr(i_policy, 13), format(v_lww, i_peer))
+        when i_policy like 'function:%' then format(
+            '%s(n.conflict, %L::text, n.local_row, n.ev_data::jsonb, n.local_origin, %L::text, n.local_time, n.remote_time)',
+            substr(i_policy, 10)::regproc, i_table, i_peer)
+        when i_policy = 'error' then '''error'''
+        else null end;
+    if v_winner is null then
+        raise exception 'unknown conflict policy "%"', i_policy using errcode = '22023';
+    end if;
+    execute format('update pg_temp.pgcascade_peer_net n set winner = case when n.conflict is null'
+                   ' or n.conflict = ''delete/delete'' then ''remote'' else %s end', v_winner);
+    select * into v_first from pg_temp.pgcascade_peer_net n
+     where n.winner is distinct from 'remote' and n.winner is distinct from 'local' limit 1;
+    if found then
+        raise exception '% conflict on % key % from %: the policy is "%"', v_first.conflict, i_table,
+            v_first.row_key, i_peer, i_policy using
+            hint = 'change the policy (add-peer --conflict) or the row, then the worker goes on from this batch';
+    end if;
+    insert into pgcascade.conflict (queue_name, table_name, conflict_type, row_key, local_row, remote_row,
+                                    local_origin, remote_origin, local_time, remote_time, policy, winner, tick_id)
+    select i_peer_queue, i_table, n.conflict, n.row_key, n.local_row,
+           case when n.ev_type <> 'D' then n.ev_data::jsonb end,
+           n.local_origin, i_peer, n.local_time, n.remote_time, i_policy, n.winner, i_tick
+      from pg_temp.pgcascade_peer_net n where n.conflict is not null;
+    get diagnostics v_conflicts = row_count;
+    -- apply the remote winners, and record their versions
+    execute format('delete from %s t using pg_temp.pgcascade_peer_net n'
+                   ' where n.winner = ''remote'' and n.ev_type = ''D'' and n.local_exists and %s', i_dest, v_match);
+    execute format('insert into %s (%s) select %s from pg_temp.pgcascade_peer_net n'
+                   ' cross join lateral json_populate_record(null::%s, n.ev_data::json) r'
+                   ' where n.winner = ''remote'' and n.ev_type <> ''D'' on conflict (%s) %s',
+                   i_dest, v_cols, v_rcols, i_dest,
+                   array_to_string(array(select quote_ident(k) from unnest(i_keys) k), ', '),
+                   case when v_set = '' then 'do nothing' else 'do update set ' || v_set end);
+    insert into pgcascade.row_version as v (table_name, row_key, origin, origin_tick, origin_time, xid, deleted)
+    select i_table, n.row_key, i_peer, i_tick, n.remote_time, pg_current_xact_id(), n.ev_type = 'D'
+      from pg_temp.pgcascade_peer_net n where n.winner = 'remote'
+    on conflict (table_name, row_key) do update
+       set origin = excluded.origin, origin_tick = excluded.origin_tick, origin_time = excluded.origin_time,
+           xid = excluded.xid, deleted = excluded.deleted;
+    return v_conflicts;
+end $$;
+
+-- pgcascade.peer_batch_done(own_queue, peer_queue, peer, tick, tick_snapshot) -> void: after a
+-- peer's batch is applied here, in its transaction: what the peer had applied of each origin
+-- (the staged markers), and this master's own marker for its peers.
+create or replace function pgcascade.peer_batch_done(
+    i_own_queue text, i_peer_queue text, i_peer text, i_tick int8, i_snapshot text)
+returns void
+language plpgsql as $$
+begin
+    insert into pgcascade.peer_seen (queue_name, origin, seen_tick, seen_snapshot)
+    select distinct on (ev_extra1) i_peer_queue, ev_extra1, ev_data::int8, ev_extra2::pg_snapshot
+      from pg_temp.pgcascade_stage where ev_type = 'pgcascade.peer-seen'
+     order by ev_extra1, ev_id desc
+    on conflict (queue_name, origin) do update
+       set seen_tick = excluded.seen_tick, seen_snapshot = excluded.seen_snapshot;
+    perform pgcascade.insert_event(i_own_queue, 'pgcascade.peer-seen', i_tick::text, i_peer, i_snapshot, null, null);
+end $$;

@@ -1,0 +1,282 @@
+"""Two-way replication: masters that each take writes and replay each other's, with conflicts
+detected and resolved by policy.  Convergence is checked outside pgcascade: an md5 of every row
+of every table on every master, computed by PostgreSQL."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psycopg
+import pytest
+from conftest import Daemons, run_cli, table_checksum
+
+from pgcascade.dev.localcluster import wait_until
+
+TABLE_DDL = "create table {t} (id int primary key, balance int not null default 0, note text)"
+
+
+@dataclass
+class Master:
+    name: str
+    db: object  # tests.conftest.Database
+    ini: Path
+    worker: subprocess.Popen | None = None
+    ticker: subprocess.Popen | None = None
+
+    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        r = run_cli(str(self.ini), *args)
+        if check:
+            assert r.returncode == 0, (
+                f"{self.name}: pgcascade {' '.join(args)}: rc {r.returncode}\n{r.stdout}{r.stderr}"
+            )
+        return r
+
+    def execute(self, sql: str, params: tuple | None = None) -> None:
+        with self.db.connect() as conn:
+            conn.execute(sql, params)
+
+
+@dataclass
+class TwoWaySet:
+    tmp: Path
+    daemons: Daemons
+    masters: dict[str, Master] = field(default_factory=dict)
+
+    def add_master(self, name: str, db) -> Master:
+        ini = self.tmp / f"{name}.ini"
+        ini.write_text(
+            f"[pgcascade]\njob_name = {name}\ndb = {db.connstr}\nqueue_name = tw_{name}\n"
+            f"logfile = {self.tmp}/{name}.log\npidfile = {self.tmp}/{name}.pid\nloop_delay = 0.2\n"
+        )
+        m = Master(name, db, ini)
+        self.masters[name] = m
+        m.cli("create-root", name)
+        return m
+
+    def connect_all(self, policy: str | None = None) -> None:
+        for m in self.masters.values():
+            for p in self.masters.values():
+                if p is not m:
+                    extra = ("--conflict", policy) if policy else ()
+                    m.cli("add-peer", p.name, "--location", p.db.connstr, *extra)
+
+    def start(self) -> None:
+        for m in self.masters.values():
+            if m.ticker is None or m.ticker.poll() is not None:
+                tini = self.tmp / f"ticker_{m.name}.ini"
+                tini.write_text(
+                    f"[pgcascade]\njob_name = ticker_{m.name}\ndb = {m.db.connstr}\n"
+                    f"logfile = {self.tmp}/ticker_{m.name}.log\npidfile = {self.tmp}/ticker_{m.name}.pid\n"
+                    "ticker_period = 0.05\n"
+                )
+                m.ticker = self.daemons.start("ticker", str(tini))
+            m.worker = self.daemons.start(str(m.ini), "worker")
+
+    def stop_workers(self) -> None:
+        for m in self.masters.values():
+            if m.worker is not None:
+                Daemons.kill(m.worker, signal.SIGINT)
+                m.worker = None
+
+    def checksums(self, table: str) -> dict[str, tuple]:
+        return {n: table_checksum(m.db, table) for n, m in self.masters.items()}
+
+    def wait_converged(self, *tables: str, timeout: float = 90) -> None:
+        def equal() -> bool:
+            return all(len(set(self.checksums(t).values())) == 1 for t in tables)
+
+        try:
+            wait_until(equal, timeout=timeout, interval=0.5)
+        except TimeoutError:
+            detail = {t: {n: self.rows(n, t) for n in self.masters} for t in tables}
+            found = {n: conflicts_of(m) for n, m in self.masters.items()}
+            pytest.fail(f"masters did not converge in {timeout}s: {detail}\nconflicts: {found}")
+
+    def rows(self, name: str, table: str) -> dict[int, tuple]:
+        with self.masters[name].db.connect() as conn:
+            return {r[0]: r[1:] for r in conn.execute(f"select id, balance, note from {table} order by id")}
+
+
+@pytest.fixture
+def two_way(tmp_path: Path, daemons: Daemons):
+    s = TwoWaySet(tmp_path, daemons)
+    yield s
+    daemons.close()
+
+
+def make_tables(m: Master, *tables: str) -> None:
+    for t in tables:
+        m.execute(TABLE_DDL.format(t=t))
+
+
+def conflicts_of(m: Master) -> list[tuple]:
+    with m.db.connect() as conn:
+        return conn.execute(
+            "select table_name, conflict_type, row_key->>0, winner, remote_origin from pgcascade.conflict"
+            " order by conflict_id"
+        ).fetchall()
+
+
+def test_two_masters_resolve_each_conflict_kind_by_each_policy(two_way: TwoWaySet, make_db) -> None:
+    policies = {
+        "t_lww": None,  # the default: last-update-wins
+        "t_fuw": "first-update-wins",
+        "t_origin": "origin-wins:a",
+        "t_keep": "keep-local",
+        "t_remote": "apply-remote",
+        "t_func": "function:public.higher_balance_wins",
+    }
+    a = two_way.add_master("a", make_db("a"))
+    b = two_way.add_master("b", make_db("b"))
+    func = (
+        "create function public.higher_balance_wins(kind text, tbl text, local jsonb, remote jsonb,"
+        " local_origin text, remote_origin text, local_time timestamptz, remote_time timestamptz)"
+        " returns text language sql as $$ select case when coalesce((remote->>'balance')::int, -1)"
+        " > coalesce((local->>'balance')::int, -1) then 'remote' else 'local' end $$"
+    )
+    for m in (a, b):
+        make_tables(m, *policies)
+        m.execute(func)
+    # a adds its tables before it knows its peer, b after: both ways must end two-way
+    a.cli("add-table", *policies)
+    two_way.connect_all()
+    for t, policy in policies.items():
+        b.cli("add-table", t, *(("--conflict", policy) if policy else ()))
+        if policy:
+            a.cli("add-table", t, "--conflict", policy)
+    two_way.start()
+    for t in policies:
+        a.execute(f"insert into {t} select i, 100, 'seed' from generate_series(1, 4) i")
+    two_way.wait_converged(*policies)
+    two_way.stop_workers()
+
+    # while neither replays the other: the same rows changed on both, a first, then b
+    for t in policies:
+        a.execute(f"update {t} set note = 'a', balance = 500 where id = 1")  # update/update
+        a.execute(f"insert into {t} values (10, 700, 'a')")  # insert/insert
+        a.execute(f"update {t} set note = 'a' where id = 2")  # update/delete
+        a.execute(f"delete from {t} where id = 3")  # delete/delete
+    time.sleep(0.05)
+    for t in policies:
+        b.execute(f"update {t} set note = 'b', balance = 200 where id = 1")
+        b.execute(f"insert into {t} values (10, 300, 'b')")
+        b.execute(f"delete from {t} where id = 2")
+        b.execute(f"delete from {t} where id = 3")
+    two_way.start()
+    convergent = [t for t, p in policies.items() if p not in ("keep-local", "apply-remote")]
+    two_way.wait_converged(*convergent)
+    a_row, b_row, gone = {1: (500, "a"), 10: (700, "a")}, {1: (200, "b"), 10: (300, "b")}, {4: (100, "seed")}
+    # last-update-wins: b's changes are later; first-update-wins and origin-wins:a: a's; the
+    # function: the higher balance (a's); a delete against an update goes by the same rule
+    assert two_way.rows("a", "t_lww") == {**b_row, **gone}
+    assert two_way.rows("a", "t_fuw") == {**a_row, 2: (100, "a"), **gone}
+    assert two_way.rows("a", "t_origin") == {**a_row, 2: (100, "a"), **gone}
+    assert two_way.rows("a", "t_func") == {**a_row, 2: (100, "a"), **gone}
+    # keep-local and apply-remote do not converge, by definition (docs/two-way.md)
+    wait_until(lambda: two_way.rows("b", "t_remote").get(1) == (500, "a"), timeout=30, what="t_remote on b")
+    assert two_way.rows("a", "t_keep") == {**a_row, 2: (100, "a"), **gone}
+    assert two_way.rows("b", "t_keep") == {**b_row, **gone}
+    assert two_way.rows("a", "t_remote") == {**b_row, **gone}
+    assert two_way.rows("b", "t_remote") == {**a_row, 2: (100, "a"), **gone}
+
+    kinds = {(t.removeprefix("public."), k, key) for t, k, key, _w, _o in conflicts_of(a)}
+    for t in policies:
+        assert {
+            (t, "update/update", "1"),
+            (t, "insert/insert", "10"),
+            (t, "update/delete", "2"),
+            (t, "delete/delete", "3"),
+        } <= kinds, f"{t}: {sorted(kinds)}"
+    assert 4 not in {int(key) for _t, _k, key in kinds}, "a row changed on one side only is no conflict"
+    listed = a.cli("conflicts").stdout
+    assert (
+        "update/update public.t_lww key [1]: local (a) vs remote (b), last-update-wins: remote kept" in listed
+    )
+    assert f"{len(conflicts_of(a))} conflicts" in listed
+
+    # the error policy stops the batch, applying nothing of it, until the policy changes
+    two_way.stop_workers()
+    a.cli("add-peer", "b", "--location", b.db.connstr, "--conflict", "error")
+    a.execute("update t_lww set note = 'a2' where id = 4")
+    a.execute("update t_fuw set note = 'a2' where id = 4")
+    b.execute("update t_lww set note = 'b2' where id = 4")
+    b.execute("update t_fuw set note = 'b2' where id = 4")
+    two_way.start()
+    with a.db.connect() as conn:
+        wait_until(
+            lambda: conn.execute(
+                "select last_error from pgcascade.node where queue_name = 'tw_b'"
+            ).fetchone()[0],
+            timeout=30,
+        )
+        error = conn.execute("select last_error from pgcascade.node where queue_name = 'tw_b'").fetchone()[0]
+    assert "update/update conflict" in error and "error" in error
+    assert two_way.rows("a", "t_lww")[4] == (100, "a2")
+    assert two_way.rows("a", "t_fuw")[4] == (100, "a2"), "a batch stopped by a conflict applies nothing"
+    a.cli("add-peer", "b", "--location", b.db.connstr, "--conflict", "last-update-wins")
+    two_way.wait_converged("t_lww", "t_fuw")
+    assert two_way.rows("a", "t_lww")[4] == (100, "b2")
+
+
+def test_three_masters_converge_under_concurrent_writes(two_way: TwoWaySet, make_db) -> None:
+    names = ("a", "b", "c")
+    masters = [two_way.add_master(n, make_db(n)) for n in names]
+    for m in masters:
+        make_tables(m, "accounts")
+        m.execute("create table history (id bigint primary key, account int, delta int, origin text)")
+        m.cli("add-table", "accounts", "history")
+    two_way.connect_all()
+    masters[0].execute("insert into accounts select i, 0, null from generate_series(1, 200) i")
+    for m in masters[1:]:
+        m.execute("insert into accounts select i, 0, null from generate_series(1, 200) i")
+    two_way.start()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def writer(m: Master, offset: int) -> None:
+        rnd = random.Random(offset)
+        n = 0
+        try:
+            with m.db.connect() as conn:
+                while not stop.is_set():
+                    n += 1
+                    aid = rnd.randint(1, 200)  # the same accounts on every master: conflicts
+                    delta = rnd.randint(-50, 50)
+                    with conn.transaction():
+                        conn.execute(
+                            "update accounts set balance = balance + %s, note = %s where id = %s",
+                            (delta, m.name, aid),
+                        )
+                        # history keys of its own per master: never a conflict
+                        conn.execute(
+                            "insert into history values (%s, %s, %s, %s)",
+                            (n * 3 + offset, aid, delta, m.name),
+                        )
+                    if n % 25 == 0:
+                        victim = rnd.randint(1, 200)
+                        conn.execute("delete from accounts where id = %s", (victim,))
+                        conn.execute(
+                            "insert into accounts values (%s, 0, %s) on conflict (id) do nothing",
+                            (victim, m.name),
+                        )
+        except psycopg.Error as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(m, i)) for i, m in enumerate(masters)]
+    for t in threads:
+        t.start()
+    time.sleep(8)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    two_way.wait_converged("accounts", "history")
+    counts = {n: table_checksum(m.db, "history")[0] for n, m in zip(names, masters, strict=True)}
+    assert len(set(counts.values())) == 1 and counts["a"] > 100, counts
+    assert sum(len(conflicts_of(m)) for m in masters) > 0, "overlapping updates made no conflict"
