@@ -201,6 +201,11 @@ CONFIG_ERRORS = {
         ("{ini}", "create-leaf", "l", "--provider", "dbname=y", "--sync-watermark", "a,,b"),
         "give node names separated by commas, each once",
     ),
+    "unknown conflict policy": (
+        "[pgcascade]\njob_name = x\ndb = dbname=x\nqueue_name = q\n",
+        ("{ini}", "add-peer", "b", "--location", "dbname=y", "--conflict", "newest-wins"),
+        "unknown conflict policy 'newest-wins'",
+    ),
 }
 
 

@@ -94,9 +94,25 @@ class TwoWaySet:
         try:
             wait_until(equal, timeout=timeout, interval=0.5)
         except TimeoutError:
-            detail = {t: {n: self.rows(n, t) for n in self.masters} for t in tables}
-            found = {n: conflicts_of(m) for n, m in self.masters.items()}
-            pytest.fail(f"masters did not converge in {timeout}s: {detail}\nconflicts: {found}")
+            detail = {t: self.checksums(t) for t in tables}
+            if "accounts" in tables:
+                rows = {n: dict(self.rows(n, "accounts")) for n in self.masters}
+                keys = sorted(k for k in rows["a"] if len({str(r.get(k)) for r in rows.values()}) > 1)
+                for k in keys[:1]:
+                    for n, m in self.masters.items():
+                        with m.db.connect() as conn:
+                            cf = conn.execute(
+                                "select conflict_type, local_row->>'balance', remote_row->>'balance', local_origin, remote_origin, local_time::time, remote_time::time, winner, logged::time from pgcascade.conflict where row_key->>0 = %s::text order by 1",
+                                (k,),
+                            ).fetchall()
+                            v = conn.execute(
+                                "select balance, xmin, pg_xact_commit_timestamp(xmin)::time, (select row(origin, origin_time::time, xid, origin_tick) from pgcascade.row_version where row_key = jsonb_build_array(id) and table_name = 'public.accounts') from accounts where id = %s",
+                                (k,),
+                            ).fetchone()
+                        detail[f"key {k} on {n}"] = (v, cf[-5:])
+            logs = {n: (self.tmp / f"{n}.log").read_text()[-2500:] for n in self.masters}
+            found = {n: len(conflicts_of(m)) for n, m in self.masters.items()}
+            pytest.fail(f"masters did not converge in {timeout}s: {detail}\nconflicts: {found}\n{logs}")
 
     def rows(self, name: str, table: str) -> dict[int, tuple]:
         with self.masters[name].db.connect() as conn:
@@ -140,6 +156,16 @@ def test_two_masters_resolve_each_conflict_kind_by_each_policy(two_way: TwoWaySe
         " returns text language sql as $$ select case when coalesce((remote->>'balance')::int, -1)"
         " > coalesce((local->>'balance')::int, -1) then 'remote' else 'local' end $$"
     )
+    for args, message in (
+        (("a", "--location", a.db.connstr), "is this master's own name"),
+        (("z", "--location", b.db.connstr), "no master named 'z' at that location"),
+        (
+            ("b", "--location", b.db.connstr, "--conflict", "function:public.nosuch"),
+            "no function public.nosuch",
+        ),
+    ):
+        r = a.cli("add-peer", *args, check=False)
+        assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
     for m in (a, b):
         make_tables(m, *policies)
         m.execute(func)
@@ -280,3 +306,89 @@ def test_three_masters_converge_under_concurrent_writes(two_way: TwoWaySet, make
     counts = {n: table_checksum(m.db, "history")[0] for n, m in zip(names, masters, strict=True)}
     assert len(set(counts.values())) == 1 and counts["a"] > 100, counts
     assert sum(len(conflicts_of(m)) for m in masters) > 0, "overlapping updates made no conflict"
+
+
+APPLIED_LOG = """
+create table applied_log (id bigint not null);
+create function log_applied() returns trigger language plpgsql as $$
+begin
+    if coalesce(current_setting('pgcascade.origin', true), '') <> '' then
+        insert into applied_log values (new.id);
+    end if;
+    return null;
+end $$;
+create trigger log_applied after insert or update on history for each row execute function log_applied();
+alter table history enable always trigger log_applied;
+"""
+
+
+def test_three_masters_lose_nothing_when_workers_are_killed_and_a_master_crashes(
+    two_way: TwoWaySet, make_db, private_cluster
+) -> None:
+    """SIGKILL of a worker and an immediate shutdown of a master while all three write: every
+    committed history row reaches every master, and no peer's row is applied twice (an ENABLE
+    ALWAYS trigger writes down every row a peer's apply inserts or updates)."""
+    private_cluster.create_database("c")
+    with private_cluster.connect() as conn:  # a commit acknowledged must survive the crash
+        conn.execute("alter system set synchronous_commit = on")
+        conn.execute("select pg_reload_conf()")
+    c_db = type(make_db("a"))(private_cluster, "c")
+    masters = [two_way.add_master("a", make_db("a")), two_way.add_master("b", make_db("b"))]
+    masters.append(two_way.add_master("c", c_db))
+    for m in masters:
+        make_tables(m, "accounts")
+        m.execute("create table history (id bigint primary key, account int, delta int, origin text)")
+        m.execute(APPLIED_LOG)
+        m.execute("insert into accounts select i, 0, null from generate_series(1, 50) i")
+        m.cli("add-table", "accounts", "history")
+    two_way.connect_all()
+    two_way.start()
+    stop = threading.Event()
+    committed: dict[str, set[int]] = {m.name: set() for m in masters}
+
+    def writer(m: Master, offset: int) -> None:
+        rnd, n = random.Random(offset), 0
+        while not stop.is_set():
+            try:
+                with m.db.connect() as conn:
+                    while not stop.is_set():
+                        n += 1
+                        hid, aid = n * 3 + offset, rnd.randint(1, 50)
+                        with conn.transaction():
+                            conn.execute("update accounts set balance = balance + 1 where id = %s", (aid,))
+                            conn.execute("insert into history values (%s, %s, 1, %s)", (hid, aid, m.name))
+                        committed[m.name].add(hid)
+            except psycopg.OperationalError:
+                time.sleep(0.2)  # the master is down: write again once it is back
+
+    threads = [threading.Thread(target=writer, args=(m, i)) for i, m in enumerate(masters)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(2)
+        Daemons.kill(masters[0].worker)  # SIGKILL, mid-batch or between batches
+        time.sleep(1)
+        masters[0].worker = two_way.daemons.start(str(masters[0].ini), "worker")
+        time.sleep(2)
+        private_cluster.stop("immediate")  # master c crashes under load
+        time.sleep(1)
+        private_cluster.start()
+        time.sleep(3)
+        Daemons.kill(masters[1].worker)
+        masters[1].worker = two_way.daemons.start(str(masters[1].ini), "worker")
+        time.sleep(2)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    two_way.wait_converged("accounts", "history", timeout=120)
+    for m in masters:
+        with m.db.connect() as conn:
+            ids = {r[0] for r in conn.execute("select id from history")}
+            twice = conn.execute("select id from applied_log group by id having count(*) > 1").fetchall()
+            applied = {r[0] for r in conn.execute("select id from applied_log")}
+            others = {r[0] for r in conn.execute("select id from history where origin <> %s", (m.name,))}
+        for origin, done in committed.items():
+            assert done <= ids, f"{m.name} lacks {len(done - ids)} rows committed on {origin}"
+        assert not twice, f"{m.name} applied rows twice: {twice[:10]}"
+        assert applied == others, f"{m.name}: applied {len(applied)} peer rows, has {len(others)}"

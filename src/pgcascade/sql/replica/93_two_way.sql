@@ -107,8 +107,6 @@ declare
          order by i), ' and ');
     v_cols text := array_to_string(array(select quote_ident(c) from unnest(i_cols) c), ', ');
     v_rcols text := array_to_string(array(select 'r.' || quote_ident(c) from unnest(i_cols) c), ', ');
-    v_set text := array_to_string(array(select format('%I = excluded.%I', c, c) from unnest(i_cols) c
-                                          where c <> all(i_keys)), ', ');
     v_lww text := '(case when coalesce(n.local_time, ''-infinity'') < n.remote_time'
                   ' or (coalesce(n.local_time, ''-infinity'') = n.remote_time and n.local_origin < %L)'
                   ' then ''remote'' else ''local'' end)';
@@ -117,6 +115,7 @@ declare
                   ' then ''remote'' else ''local'' end)';
     v_winner text;
     v_conflicts int8;
+    v_inserted int8;
     v_first record;
 begin
     if to_regclass('pg_temp.pgcascade_peer_net') is null then
@@ -139,6 +138,9 @@ begin
         '  where s.ev_extra1 = $1 and s.ev_id >= $2 and s.ev_id < $3 and s.ev_type in (''I'', ''U'', ''D'')'
         '  order by k, s.ev_id desc', i_dest, v_key_r)
         using i_table, i_lo, i_hi;
+    -- the local rows, locked first: a local transaction changing one after it was read here
+    -- would otherwise be overwritten by a decision taken on the version before it
+    execute format('select 1 from %s t join pg_temp.pgcascade_peer_net n on %s for update of t', i_dest, v_match);
     -- the local row, and its version
     execute format(
         'update pg_temp.pgcascade_peer_net n set local_exists = true, local_row = to_jsonb(t),'
@@ -218,12 +220,23 @@ begin
     -- apply the remote winners, and record their versions
     execute format('delete from %s t using pg_temp.pgcascade_peer_net n'
                    ' where n.winner = ''remote'' and n.ev_type = ''D'' and n.local_exists and %s', i_dest, v_match);
+    execute format('update %s t set (%s) = (select %s) from pg_temp.pgcascade_peer_net n'
+                   ' cross join lateral json_populate_record(null::%s, n.ev_data::json) r'
+                   ' where n.winner = ''remote'' and n.ev_type <> ''D'' and n.local_exists and %s',
+                   i_dest, v_cols, v_rcols, i_dest, v_match);
     execute format('insert into %s (%s) select %s from pg_temp.pgcascade_peer_net n'
                    ' cross join lateral json_populate_record(null::%s, n.ev_data::json) r'
-                   ' where n.winner = ''remote'' and n.ev_type <> ''D'' on conflict (%s) %s',
+                   ' where n.winner = ''remote'' and n.ev_type <> ''D'' and not n.local_exists'
+                   ' on conflict (%s) do nothing',
                    i_dest, v_cols, v_rcols, i_dest,
-                   array_to_string(array(select quote_ident(k) from unnest(i_keys) k), ', '),
-                   case when v_set = '' then 'do nothing' else 'do update set ' || v_set end);
+                   array_to_string(array(select quote_ident(k) from unnest(i_keys) k), ', '));
+    get diagnostics v_inserted = row_count;
+    if v_inserted < (select count(*) from pg_temp.pgcascade_peer_net n
+                      where n.winner = 'remote' and n.ev_type <> 'D' and not n.local_exists) then
+        -- a local insert of the same key came in after the rows were read: decide again
+        raise exception 'a row of % was inserted here while a change of % to it was applied', i_table, i_peer
+            using errcode = '40001', hint = 'the worker applies the batch again';
+    end if;
     insert into pgcascade.row_version as v (table_name, row_key, origin, origin_tick, origin_time, xid, deleted)
     select i_table, n.row_key, i_peer, i_tick, n.remote_time, pg_current_xact_id(), n.ev_type = 'D'
       from pg_temp.pgcascade_peer_net n where n.winner = 'remote'
@@ -247,5 +260,9 @@ begin
      order by ev_extra1, ev_id desc
     on conflict (queue_name, origin) do update
        set seen_tick = excluded.seen_tick, seen_snapshot = excluded.seen_snapshot;
-    perform pgcascade.insert_event(i_own_queue, 'pgcascade.peer-seen', i_tick::text, i_peer, i_snapshot, null, null);
+    -- only after changes: a batch of markers alone changed no row here, and answering it would
+    -- make the masters send markers back and forth for ever
+    if exists (select 1 from pg_temp.pgcascade_stage where ev_type not like 'pgcascade.%') then
+        perform pgcascade.insert_event(i_own_queue, 'pgcascade.peer-seen', i_tick::text, i_peer, i_snapshot, null, null);
+    end if;
 end $$;
