@@ -250,18 +250,43 @@ def test_two_masters_resolve_each_conflict_kind_by_each_policy(two_way: TwoWaySe
     assert two_way.rows("a", "t_lww")[4] == (100, "b2")
 
 
-def test_three_masters_converge_under_concurrent_writes(two_way: TwoWaySet, make_db) -> None:
+def test_three_masters_converge_under_concurrent_writes(two_way: TwoWaySet, make_db, tmp_path: Path) -> None:
+    """Three masters write the same accounts at once; orders take their keys from a sequence
+    spread by add-seq; DDL run with `execute` on one master reaches every master and, through
+    its master, a leaf under b; everything converges, the leaf included."""
     names = ("a", "b", "c")
     masters = [two_way.add_master(n, make_db(n)) for n in names]
     for m in masters:
         make_tables(m, "accounts")
         m.execute("create table history (id bigint primary key, account int, delta int, origin text)")
-        m.cli("add-table", "accounts", "history")
+        m.execute(
+            "create sequence order_id; create table orders (id bigint primary key default nextval('order_id'), origin text)"
+        )
+        m.execute("select setval('order_id', 5)")  # some values handed out before
+        m.cli("add-table", "accounts", "history", "orders")
     two_way.connect_all()
-    masters[0].execute("insert into accounts select i, 0, null from generate_series(1, 200) i")
-    for m in masters[1:]:
+    residues = set()
+    for m in masters:
+        said = m.cli("add-seq", "order_id").stdout
+        residues.add(said.split("values are ")[1].split()[0])
+    assert len(residues) == 3, f"the masters share sequence residues: {residues}"
+    for m in masters:
         m.execute("insert into accounts select i, 0, null from generate_series(1, 200) i")
     two_way.start()
+    # a leaf under master b: it gets b's own changes and those b applied from a and c
+    leaf_db = make_db("a")
+    leaf_ini = tmp_path / "leaf.ini"
+    leaf_ini.write_text(
+        f"[pgcascade]\njob_name = leaf\ndb = {leaf_db.connstr}\nqueue_name = tw_b\n"
+        f"logfile = {tmp_path}/leaf.log\npidfile = {tmp_path}/leaf.pid\nloop_delay = 0.2\n"
+    )
+    for args in (
+        ("create-leaf", "leaf", "--provider", masters[1].db.connstr),
+        ("add-table", "accounts", "history", "orders", "--create"),
+    ):
+        r = run_cli(str(leaf_ini), *args)
+        assert r.returncode == 0, r.stderr
+    two_way.daemons.start(str(leaf_ini), "worker")
     stop = threading.Event()
     errors: list[BaseException] = []
 
@@ -284,6 +309,7 @@ def test_three_masters_converge_under_concurrent_writes(two_way: TwoWaySet, make
                             "insert into history values (%s, %s, %s, %s)",
                             (n * 3 + offset, aid, delta, m.name),
                         )
+                    conn.execute("insert into orders (origin) values (%s)", (m.name,))  # keys by add-seq
                     if n % 25 == 0:
                         victim = rnd.randint(1, 200)
                         conn.execute("delete from accounts where id = %s", (victim,))
@@ -297,15 +323,46 @@ def test_three_masters_converge_under_concurrent_writes(two_way: TwoWaySet, make
     threads = [threading.Thread(target=writer, args=(m, i)) for i, m in enumerate(masters)]
     for t in threads:
         t.start()
-    time.sleep(8)
+    time.sleep(4)
+    script = tmp_path / "ddl.sql"
+    script.write_text("alter table accounts add column flag int; create table notes (id int primary key);")
+    masters[2].cli("execute", str(script))
+    time.sleep(4)
     stop.set()
     for t in threads:
         t.join()
     assert not errors, errors
-    two_way.wait_converged("accounts", "history")
+    two_way.wait_converged("accounts", "history", "orders")
     counts = {n: table_checksum(m.db, "history")[0] for n, m in zip(names, masters, strict=True)}
     assert len(set(counts.values())) == 1 and counts["a"] > 100, counts
     assert sum(len(conflicts_of(m)) for m in masters) > 0, "overlapping updates made no conflict"
+    for m in masters:
+        with m.db.connect() as conn:
+            assert (
+                conn.execute(
+                    "select count(*) from information_schema.columns where column_name = 'flag'"
+                    " and table_name = 'accounts'"
+                ).fetchone()[0]
+                == 1
+            )
+            assert conn.execute("select to_regclass('notes') is not null").fetchone()[0]
+            kinds = conn.execute(
+                "select count(*) from pgcascade.conflict where table_name = 'public.orders'"
+            ).fetchone()
+            assert kinds[0] == 0, f"{m.name}: orders keys from the spread sequence collided"
+    with masters[0].db.connect() as conn:
+        orders = conn.execute("select count(*), count(distinct origin) from orders").fetchone()
+    assert orders[0] > 100 and orders[1] == 3, orders
+    for t in ("accounts", "history", "orders"):
+        wait_until(
+            lambda t=t: table_checksum(leaf_db, t) == table_checksum(masters[1].db, t),
+            timeout=60,
+            what=f"leaf {t}",
+        )
+    with leaf_db.connect() as conn:
+        assert conn.execute("select to_regclass('notes') is not null").fetchone()[0], (
+            "the DDL did not reach the leaf"
+        )
 
 
 APPLIED_LOG = """

@@ -9,6 +9,7 @@ the same rows; a table the peer adds later is in its set then).  The worker of t
 from __future__ import annotations
 
 import psycopg
+from psycopg import sql
 
 from pgcascade.capture import tables as set_tables
 from pgcascade.core import pgconn
@@ -18,6 +19,8 @@ from pgcascade.pgq import queue as q
 from pgcascade.pgq.node import NodeType
 from pgcascade.replica import tables as subscriber
 from pgcascade.replica.conflicts import ConflictPolicy
+
+SEQUENCE_STEP = 10  # a two-way sequence: each master takes every 10th value (room for 10 masters)
 
 
 def require_commit_timestamps(conn: psycopg.Connection, where: str) -> None:
@@ -120,3 +123,50 @@ def set_table_policy(
         raise UserError("--conflict is for a two-way master: add its peers first (add-peer)")
     policy.check_function(conn)
     subscriber.set_peer_policy(conn, queues, tables, str(policy))
+
+
+def sequence_state(conn: psycopg.Connection, seq: str) -> tuple[int, int]:
+    """(increment, last value) of a sequence: the last handed out, or the next one (the value
+    set) when none was since.  `seq` is a canonical name (catalog.canonical), quoted already."""
+    if conn.execute("select to_regclass(%s)", (seq,)).fetchone() == (None,):
+        raise UserError(f"sequence {seq} does not exist on every master")
+    row = conn.execute(
+        sql.SQL(
+            "select s.increment_by, q.last_value from pg_sequences s, {} q"
+            " where format('%%I.%%I', s.schemaname, s.sequencename) = %s"
+        ).format(sql.SQL(seq)),
+        (seq,),
+    ).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1])
+
+
+def spread_sequences(conn: psycopg.Connection, own_queue: str, seqs: list[str]) -> dict[str, int]:
+    """add-seq on a master with peers: each sequence goes on in steps of SEQUENCE_STEP from a
+    residue no peer's copy of it uses, past every value any master has handed out, so the masters'
+    inserts never collide.  Returns the residue each sequence took here."""
+    peer_nodes = nodes.peers(conn, own_queue)
+    if not peer_nodes:
+        return {}
+    taken: dict[str, set[int]] = {s: set() for s in seqs}
+    highest = {s: sequence_state(conn, s)[1] for s in seqs}
+    for p in peer_nodes:
+        with pgconn.connect(nodes.provider_location(conn, p), autocommit=True, connect_timeout=10) as prov:
+            for s in seqs:
+                step, last = sequence_state(prov, s)
+                highest[s] = max(highest[s], last)
+                if step == SEQUENCE_STEP:
+                    taken[s].add(last % SEQUENCE_STEP)
+    residues = {}
+    with conn.transaction():
+        for s in seqs:
+            free = [r for r in (*range(1, SEQUENCE_STEP), 0) if r not in taken[s]]
+            if not free:
+                raise UserError(
+                    f"sequence {s}: every one of its {SEQUENCE_STEP} residues is taken by a master"
+                )
+            r = free[0]
+            start = highest[s] + 1 + (r - highest[s] - 1) % SEQUENCE_STEP
+            conn.execute("select pgcascade.spread_sequence(%s::regclass, %s, %s)", (s, SEQUENCE_STEP, start))
+            residues[s] = r
+    return residues

@@ -213,6 +213,10 @@ def add_seq(ctx: Context, seqs: tuple[str, ...], all_seqs: bool, no_wait: bool, 
     with ctx.this_node() as (conn, node):
         if node.role.captures_changes:
             added = set_tables.add_seqs(conn, queue, list(seqs), all_seqs)
+            for seq, residue in peers.spread_sequences(conn, queue, added).items():
+                click.echo(
+                    f"{seq}: this master's values are {residue} modulo {peers.SEQUENCE_STEP} (two-way)"
+                )
         else:
             with ctx.provider(conn, node) as prov:
                 if not no_wait and seqs:

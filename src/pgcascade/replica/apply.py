@@ -299,6 +299,7 @@ class PeerBatch:
     queue: str  # the peer's queue
     peer: str  # the peer master's node name
     me: str  # this master's node name
+    own_queue: str  # the queue this master is the root of
     tick: int  # the batch's tick on the peer's queue
     policy: str
     policies: dict[str, str]  # per-table policies
@@ -372,6 +373,8 @@ def apply_staged(
                 except psycopg.Error as e:
                     raise ApplyError(f"EXECUTE {ev_extra1 or ''} (event {ev_id}): {db_error_line(e)}") from e
                 stats.executed += 1
+                if peer is not None:  # on to the leaves under this master, tagged: not to its peers
+                    q.insert_event(sub, peer.own_queue, "EXECUTE", ev_data, ev_extra1, None, None, peer.peer)
                 for a in appliers.values():
                     a.after_ddl(sub)
         elif ev_type == "T":

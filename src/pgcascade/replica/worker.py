@@ -369,6 +369,7 @@ class Worker(Daemon):
             self.queue,
             node.provider_node,
             node.node_name,
+            node.peer_of,
             tick,
             node.conflict_policy or DEFAULT_POLICY,
             subscriber.peer_policies(sub, self.queue),

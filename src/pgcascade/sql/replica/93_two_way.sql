@@ -266,3 +266,12 @@ begin
         perform pgcascade.insert_event(i_own_queue, 'pgcascade.peer-seen', i_tick::text, i_peer, i_snapshot, null, null);
     end if;
 end $$;
+
+-- pgcascade.spread_sequence(seq, step, start) -> void: a two-way master's share of a sequence:
+-- every step-th value from start on (its peers take the other residues).
+create or replace function pgcascade.spread_sequence(i_seq regclass, i_step int4, i_start int8) returns void
+language plpgsql as $$
+begin
+    execute format('alter sequence %s increment by %s', i_seq, i_step);
+    perform setval(i_seq, i_start, false);
+end $$;
