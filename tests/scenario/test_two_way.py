@@ -48,7 +48,7 @@ class TwoWaySet:
     daemons: Daemons
     masters: dict[str, Master] = field(default_factory=dict)
 
-    def add_master(self, name: str, db) -> Master:
+    def add_master(self, name: str, db, *create_args: str) -> Master:
         ini = self.tmp / f"{name}.ini"
         ini.write_text(
             f"[pgcascade]\njob_name = {name}\ndb = {db.connstr}\nqueue_name = tw_{name}\n"
@@ -56,7 +56,15 @@ class TwoWaySet:
         )
         m = Master(name, db, ini)
         self.masters[name] = m
-        m.cli("create-root", name)
+        m.cli("create-root", name, *create_args)
+        if create_args:  # logical capture: its daemon, a job of its own (pidfile, log)
+            cap = self.tmp / f"{name}_capture.ini"
+            cap.write_text(
+                ini.read_text()
+                .replace(f"job_name = {name}", f"job_name = {name}_capture")
+                .replace(f"{name}.pid", f"{name}_capture.pid")
+            )
+            self.daemons.start(str(cap), "capture")
         return m
 
     def connect_all(self, policy: str | None = None) -> None:
@@ -87,7 +95,7 @@ class TwoWaySet:
     def checksums(self, table: str) -> dict[str, tuple]:
         return {n: table_checksum(m.db, table) for n, m in self.masters.items()}
 
-    def wait_converged(self, *tables: str, timeout: float = 90) -> None:
+    def wait_converged(self, *tables: str, timeout: float = 120) -> None:
         def equal() -> bool:
             return all(len(set(self.checksums(t).values())) == 1 for t in tables)
 
@@ -111,6 +119,7 @@ class TwoWaySet:
                             ).fetchone()
                         detail[f"key {k} on {n}"] = (v, cf[-5:])
             logs = {n: (self.tmp / f"{n}.log").read_text()[-2500:] for n in self.masters}
+            logs["daemons"] = [p.output()[-800:] for p in self.daemons.procs]  # type: ignore[attr-defined]
             found = {n: len(conflicts_of(m)) for n, m in self.masters.items()}
             pytest.fail(f"masters did not converge in {timeout}s: {detail}\nconflicts: {found}\n{logs}")
 
@@ -449,3 +458,42 @@ def test_three_masters_lose_nothing_when_workers_are_killed_and_a_master_crashes
             assert done <= ids, f"{m.name} lacks {len(done - ids)} rows committed on {origin}"
         assert not twice, f"{m.name} applied rows twice: {twice[:10]}"
         assert applied == others, f"{m.name}: applied {len(applied)} peer rows, has {len(others)}"
+
+
+def test_two_masters_with_logical_capture_converge_without_echo(two_way: TwoWaySet, make_db) -> None:
+    """Logical capture: a peer's apply runs under a replication origin, the capture daemon tags
+    what it decodes of it, and the other master does not take it back."""
+    a = two_way.add_master("a", make_db("a"), "--capture=logical")
+    b = two_way.add_master("b", make_db("b"), "--capture=logical")
+    for m in (a, b):
+        make_tables(m, "t")
+        m.cli("add-table", "t")
+    two_way.connect_all()
+    two_way.start()
+    a.execute("insert into t select i, 100, 'a' from generate_series(1, 50) i")
+    b.execute("insert into t select i, 100, 'b' from generate_series(51, 100) i")
+    two_way.wait_converged("t")
+    two_way.stop_workers()
+    a.execute("update t set note = 'a2' where id = 1")
+    time.sleep(0.05)
+    b.execute("update t set note = 'b2' where id = 1")  # later: wins
+    two_way.start()
+    two_way.wait_converged("t")
+    assert two_way.rows("a", "t")[1] == (100, "b2")
+    assert {k for _t, k, *_ in conflicts_of(a)} == {"update/update"}
+    b.execute("truncate t")  # a TRUNCATE goes both ways once
+    b.execute("insert into t values (200, 1, 'after truncate')")
+    two_way.wait_converged("t")
+    assert two_way.rows("a", "t") == {200: (1, "after truncate")}
+    time.sleep(2)  # nothing comes back: the queues stay quiet once both applied everything
+    with a.db.connect() as conn:
+        tagged = conn.execute(
+            "select count(*) from pgcascade.event where (ev_rare).ev_extra4 = 'b'"
+        ).fetchone()[0]
+        echo = conn.execute(
+            "select count(*) from pgcascade.event where ev_type = 'I' and ev_data like '%after truncate%'"
+            " and (ev_rare).ev_extra4 is null"
+        ).fetchone()[0]
+    assert tagged > 0, "the capture daemon did not tag what the peer's apply made"
+    assert echo == 0, "a's capture sent b's insert on as a's own"
+    assert two_way.rows("b", "t") == {200: (1, "after truncate")}

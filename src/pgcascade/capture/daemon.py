@@ -22,6 +22,10 @@ chunks into one open queue transaction and holds a bounded number of rows).
 
 The root's own events (the table list T, EXECUTE) travel through the WAL as transactional
 logical messages (`pgcascade.emit_event`), so they keep their place among the row changes.
+
+On a two-way master, a peer's apply runs under the replication origin `pgcascade_<peer>`; the
+Origin message pgoutput sends for such a transaction makes its events carry the peer's name in
+ev_extra4, as the capture triggers do with `pgcascade.origin`.
 """
 
 from __future__ import annotations
@@ -88,6 +92,9 @@ class WalCapture(Daemon):
         self.committed = 0  # the same, as told to the slot
         self.safe = 0  # the server has sent everything before this and all of it is committed
         self.in_txn = False  # between a B and its C
+        self.txn_time = ""  # the current source transaction's commit time
+        self.origin: str | None = None  # the two-way peer whose apply made the current transaction
+        self.buf_origin: str | None = None  # ... and that of the buffered rows
         self.skip = False  # the current source transaction was captured before
         self.asked_at = 0.0
         self.fed_at = 0.0
@@ -267,8 +274,11 @@ class WalCapture(Daemon):
         kind = data[:1]
         r = Reader(data)
         if kind == b"B":
-            final_lsn, _ts, _xid = r.unpack(">qqI")
+            final_lsn, ts, _xid = r.unpack(">qqI")
             self.in_txn = True
+            self.origin = None
+            # ev_time of the transaction's events: its commit time (two-way resolves conflicts by it)
+            self.txn_time = (PG_EPOCH + datetime.timedelta(microseconds=ts)).isoformat()
             self.skip = final_lsn < self.stored
             self.skipped += self.skip
         elif kind == b"C":
@@ -280,7 +290,10 @@ class WalCapture(Daemon):
                 self.txns += 1
         elif kind == b"R":
             self.on_relation(r)
-        elif self.skip or kind in (b"Y", b"O"):
+        elif kind == b"O":
+            r.unpack(">q")  # the origin's commit LSN
+            self.origin = peer_of_origin(r.cstring())
+        elif self.skip or kind == b"Y":
             return
         elif kind == b"I":
             (relid,) = r.unpack(">I")
@@ -371,7 +384,10 @@ class WalCapture(Daemon):
 
     # --- writing events ---
     def add_row(self, relid: int, op: str, vals: list[Value], size: int) -> None:
-        self.buf.setdefault(relid, []).append([op, vals])
+        if self.origin != self.buf_origin:
+            self.flush()  # rows of one origin per statement
+            self.buf_origin = self.origin
+        self.buf.setdefault(relid, []).append([op, vals, self.txn_time])
         self.buf_rows += 1
         self.buf_bytes += size  # the message's length: close enough to the JSON's
         if self.buf_rows >= CHUNK_ROWS or self.buf_bytes >= CHUNK_BYTES:
@@ -390,7 +406,9 @@ class WalCapture(Daemon):
                 if rel.insert_sql is None:
                     rel.insert_sql = self.insert_sql(rel).as_bytes(self.writer)
                 cur = self.writer.cursor()
-                cur.execute(rel.insert_sql, (json.dumps(rows, ensure_ascii=False),))
+                cur.execute(
+                    rel.insert_sql, (self.buf_origin, self.buf_origin, json.dumps(rows, ensure_ascii=False))
+                )
                 done.append((cur, len(rows)))
         for cur, n in done:
             if cur.rowcount != n:
@@ -410,11 +428,14 @@ class WalCapture(Daemon):
             for i, (name, cast) in enumerate(zip(rel.names, rel.casts, strict=True))
         )
         return sql.SQL(
-            "insert into pgcascade.event (ev_id, ev_time, ev_part, ev_type, ev_data, ev_extra1)"
-            " select nextval(q.queue_event_seq), now(), q.queue_id * 16 + q.queue_cur_table, x.op,"
-            " {image}, {table}"
+            "insert into pgcascade.event (ev_id, ev_time, ev_part, ev_type, ev_data, ev_extra1, ev_rare)"
+            " select nextval(q.queue_event_seq), x.t, q.queue_id * 16 + q.queue_cur_table, x.op,"
+            " {image}, {table}, o.rare"
             " from pgcascade.queue q,"
-            " (select e->>0 as op, e->1 as v, n from json_array_elements(%s::json) with ordinality a(e, n)) x,"
+            " (select case when %s::text is not null"
+            "         then row(null, null, %s, null, null)::pgcascade.event_rare end as rare) o,"
+            " (select e->>0 as op, e->1 as v, (e->>2)::timestamptz as t, n"
+            "  from json_array_elements(%s::json) with ordinality a(e, n)) x,"
             " lateral (select {cols}) r"
             " where q.queue_name = {queue} order by x.n"
         ).format(
@@ -422,6 +443,9 @@ class WalCapture(Daemon):
         )
 
     def insert_event(self, ev_type: str, data: str | None, extra1: str | None) -> None:
+        if ev_type == "R" and self.origin is not None:  # a TRUNCATE a peer's apply made
+            self.insert_rare_event(ev_type, extra1)
+            return
         assert self.writer is not None
         cur = self.writer.execute(
             "insert into pgcascade.event (ev_id, ev_time, ev_part, ev_type, ev_data, ev_extra1)"
@@ -432,3 +456,16 @@ class WalCapture(Daemon):
         if cur.rowcount != 1:
             raise RuntimeFailure(f"queue {self.queue} does not exist any more")
         self.events += 1
+
+    def insert_rare_event(self, ev_type: str, extra1: str | None) -> None:
+        assert self.writer is not None
+        self.writer.execute(
+            "select pgcascade.insert_event(%s, %s, null, %s, null, null, %s)",
+            (self.queue, ev_type, extra1, self.origin),
+        )
+        self.events += 1
+
+
+def peer_of_origin(name: str) -> str | None:
+    """The two-way peer a replication origin stands for (`pgcascade_<peer>`), or None."""
+    return name.removeprefix(logical.ORIGIN_PREFIX) if name.startswith(logical.ORIGIN_PREFIX) else None

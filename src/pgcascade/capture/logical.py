@@ -23,6 +23,24 @@ from pgcascade.pgq import queue as q
 log = logging.getLogger("pgcascade.capture")
 
 
+# a two-way master's apply of peer P runs under the replication origin ORIGIN_PREFIX + P: the
+# capture daemon tags what it made with P (no echo)
+ORIGIN_PREFIX = "pgcascade_"
+
+
+def ensure_origin(conn: psycopg.Connection, peer: str) -> None:
+    conn.execute(
+        "select pg_replication_origin_create(%s)"
+        " where not exists (select 1 from pg_replication_origin where roname = %s)",
+        (ORIGIN_PREFIX + peer, ORIGIN_PREFIX + peer),
+    )
+
+
+def use_origin(conn: psycopg.Connection, peer: str) -> None:
+    """This session's changes are peer's (for the rest of the session)."""
+    conn.execute("select pg_replication_origin_session_setup(%s)", (ORIGIN_PREFIX + peer,))
+
+
 def is_logical(conn: psycopg.Connection, queue: str) -> bool:
     if scalar(conn, "select to_regclass('pgcascade.walcapture') is null"):
         return False

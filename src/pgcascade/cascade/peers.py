@@ -11,6 +11,7 @@ from __future__ import annotations
 import psycopg
 from psycopg import sql
 
+from pgcascade.capture import logical
 from pgcascade.capture import tables as set_tables
 from pgcascade.core import pgconn
 from pgcascade.core.errors import UserError
@@ -96,6 +97,7 @@ def add_peer(
         nodes.set_location(conn, queue, peer, location)
         nodes.set_location(conn, queue, me.node_name, own_location)
         subscriber.subscribe_peer_tables(conn, queue, ours)
+        logical.ensure_origin(conn, peer)
         for table, keys in ours.items():
             set_tables.make_two_way(conn, table, keys)
     return True

@@ -32,6 +32,7 @@ import time
 
 import psycopg
 
+from pgcascade.capture import logical as walcapture
 from pgcascade.capture import tables as set_tables
 from pgcascade.core import metrics, pgconn
 from pgcascade.core.config import JobConfig
@@ -106,6 +107,7 @@ class Worker(Daemon):
             cfg.db, cfg.worker.apply_connections, cfg.worker.parallel_apply_min_events
         )
         self.peer_workers: dict[str, Worker] = {}  # a master's: peer queue -> its worker
+        self.origin_session: psycopg.Connection | None = None  # runs under the peer's replication origin
         self.retry_at = 0.0  # a peer's worker after an error: not before then
         self.backoff = 0.0
 
@@ -328,7 +330,14 @@ class Worker(Daemon):
         self.phases.mark("prepare")
         peer = self.peer_batch(sub, node, info.cur_tick_id)
         if rows_applied is None:
-            stage_batch(prov, sub, info, carry=carry, peer=peer is not None)
+            stage_batch(
+                prov,
+                sub,
+                info,
+                carry=carry,
+                peer=peer is not None,
+                peer_logical=peer is not None and walcapture.is_logical(prov, self.queue),
+            )
             self.phases.mark("stage")
         if node.combined_queue:
             self.drop_partition_truncates(sub)
@@ -365,6 +374,9 @@ class Worker(Daemon):
             return None
         assert node.provider_node is not None and node.peer_of is not None
         sub.execute("select set_config('pgcascade.origin', %s, true)", (node.provider_node,))
+        if self.origin_session is not sub and walcapture.is_logical(sub, node.peer_of):
+            walcapture.use_origin(sub, node.provider_node)  # how logical capture tells these changes
+            self.origin_session = sub
         return PeerBatch(
             self.queue,
             node.provider_node,
