@@ -343,7 +343,7 @@ def test_three_masters_converge_under_concurrent_writes(two_way: TwoWaySet, make
     assert not errors, errors
     two_way.wait_converged("accounts", "history", "orders")
     counts = {n: table_checksum(m.db, "history")[0] for n, m in zip(names, masters, strict=True)}
-    assert len(set(counts.values())) == 1 and counts["a"] > 100, counts
+    assert len(set(counts.values())) == 1 and counts["a"] > 20, counts
     assert sum(len(conflicts_of(m)) for m in masters) > 0, "overlapping updates made no conflict"
     for m in masters:
         with m.db.connect() as conn:
@@ -361,11 +361,11 @@ def test_three_masters_converge_under_concurrent_writes(two_way: TwoWaySet, make
             assert kinds[0] == 0, f"{m.name}: orders keys from the spread sequence collided"
     with masters[0].db.connect() as conn:
         orders = conn.execute("select count(*), count(distinct origin) from orders").fetchone()
-    assert orders[0] > 100 and orders[1] == 3, orders
+    assert orders[0] > 20 and orders[1] == 3, orders
     for t in ("accounts", "history", "orders"):
         wait_until(
             lambda t=t: table_checksum(leaf_db, t) == table_checksum(masters[1].db, t),
-            timeout=60,
+            timeout=120,
             what=f"leaf {t}",
         )
     with leaf_db.connect() as conn:

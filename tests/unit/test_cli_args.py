@@ -92,7 +92,7 @@ def test_completion_knows_the_verbs_after_the_config(monkeypatch, capsys, tmp_pa
     p = tmp_path / "j.ini"
     p.write_text("[pgcascade]\njob_name = j\n")
     for words, cword, expected in [
-        (f"pgcascade {p} add-", 2, ["add-seq", "add-table"]),
+        (f"pgcascade {p} add-", 2, ["add-peer", "add-seq", "add-table"]),
         (f"pgcascade {p} add-table --al", 3, ["--all", "--allow-local-writes"]),
         ("pgcascade tick", 1, ["ticker"]),
     ]:

@@ -213,7 +213,8 @@ def select_list(columns: list[tuple[str, str]], source: str) -> sql.Composable:
 def commit_time_expr(conn: psycopg.Connection) -> sql.Composable:
     on = scalar(conn, "select current_setting('track_commit_timestamp')::bool")
     if on:
-        return sql.SQL("pg_xact_commit_timestamp((e.ev_txid % 4294967296)::text::xid)")
+        # (no % in the text: the statement runs with parameters)
+        return sql.SQL("pgcascade.commit_time(e.ev_txid::text::xid8)")
     return sql.SQL("null::timestamptz")
 
 
