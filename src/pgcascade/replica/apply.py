@@ -74,11 +74,8 @@ def ensure_stage(sub: psycopg.Connection) -> None:
 # carry that master in ev_extra4: that master sends them itself), and as ev_time each change's
 # commit time on the peer, which conflicts are resolved by (logical capture writes it as the
 # event's ev_time; a trigger's event has the commit time of its ev_txid)
-PEER_SELECT = (
-    "ev_id, ev_txid, ev_type, ev_data, ev_extra1,"
-    " coalesce(pgcascade.commit_time(ev_txid::text::xid8), ev_time), ev_extra2, ev_extra3, ev_extra4"
-)
-PEER_SELECT_LOGICAL = "ev_id, ev_txid, ev_type, ev_data, ev_extra1, ev_time, ev_extra2, ev_extra3, ev_extra4"
+PEER_SELECT = "ev_id, ev_txid, ev_type, ev_data, ev_extra1, {}, ev_extra2, ev_extra3, ev_extra4"
+PEER_TIME = {False: "coalesce(pgcascade.commit_time(ev_txid::text::xid8), ev_time)", True: "ev_time"}
 
 
 def stage_batch(
@@ -99,7 +96,7 @@ def stage_batch(
     assert batch.batch_id is not None
     batch_sql = batch.event_sql or q.batch_event_sql(prov, batch.batch_id)
     cols = sql.SQL(CARRY_COLUMNS if carry or peer else STAGE_COLUMNS)
-    select = sql.SQL(PEER_SELECT_LOGICAL if peer_logical else PEER_SELECT) if peer else cols
+    select = sql.SQL(PEER_SELECT.format(PEER_TIME[peer_logical])) if peer else cols
     conditions: list[sql.Composable] = [sql.SQL("ev_extra4 is null")] if peer else []
     if only_tables is not None:
         conditions.append(sql.SQL("ev_extra1 = any({}::text[])").format(sql.Literal(only_tables)))
