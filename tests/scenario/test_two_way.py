@@ -4,6 +4,7 @@ of every table on every master, computed by PostgreSQL."""
 
 from __future__ import annotations
 
+import json
 import random
 import signal
 import subprocess
@@ -229,6 +230,9 @@ def test_two_masters_resolve_each_conflict_kind_by_each_policy(two_way: TwoWaySe
             (t, "delete/delete", "3"),
         } <= kinds, f"{t}: {sorted(kinds)}"
     assert 4 not in {int(key) for _t, _k, key in kinds}, "a row changed on one side only is no conflict"
+    report = json.loads(a.cli("status", "--json").stdout)
+    assert [(p["peer"], p["conflicts"]) for p in report["peers"]] == [("b", len(conflicts_of(a)))]
+    assert "peers (two-way)" in a.cli("status").stdout
     listed = a.cli("conflicts").stdout
     assert (
         "update/update public.t_lww key [1]: local (a) vs remote (b), last-update-wins: remote kept" in listed
