@@ -54,20 +54,33 @@ def msg(kind: bytes, body: bytes) -> bytes:
 
 def test_a_transaction_is_buffered_per_table_and_a_key_change_becomes_delete_insert():
     d = capture()
-    d.handle(msg(b"B", struct.pack(">qqI", 1000, 0, 42)))
+    d.handle(msg(b"B", struct.pack(">qqI", 1000, 1_500_000, 42)))  # commits 1.5 s after 2000-01-01
     d.handle(msg(b"I", struct.pack(">I", 7) + b"N" + tuple_data("1", "a")))
     d.handle(msg(b"U", struct.pack(">I", 7) + b"N" + tuple_data("1", "b")))  # same key: an update
     d.handle(msg(b"U", struct.pack(">I", 7) + b"K" + tuple_data("1", None) + b"N" + tuple_data("2", "b")))
     d.handle(msg(b"D", struct.pack(">I", 7) + b"K" + tuple_data("2", None)))
     d.handle(msg(b"C", struct.pack(">bqqq", 0, 1000, 1100, 0)))
+    at = "2000-01-01T00:00:01.500000+00:00"  # each event's ev_time: its transaction's commit time
     assert d.buf[7] == [
-        ["I", ["1", "a"]],
-        ["U", ["1", "b"]],
-        ["D", ["1", None]],
-        ["I", ["2", "b"]],
-        ["D", ["2", None]],
+        ["I", ["1", "a"], at],
+        ["U", ["1", "b"], at],
+        ["D", ["1", None], at],
+        ["I", ["2", "b"], at],
+        ["D", ["2", None], at],
     ]
+    assert d.buf_origin is None
     assert d.last_end == 1100 and d.txns == 1 and not d.in_txn
+
+
+def test_a_two_way_peers_transaction_is_tagged_with_the_peer() -> None:
+    d = capture()
+    d.handle(msg(b"B", struct.pack(">qqI", 1000, 0, 42)))
+    d.handle(msg(b"O", struct.pack(">q", 900) + b"pgcascade_paris\0"))  # applied from peer paris
+    assert d.origin == "paris"
+    d.handle(msg(b"B", struct.pack(">qqI", 2000, 0, 43)))
+    assert d.origin is None, "the next transaction is this master's own again"
+    d.handle(msg(b"O", struct.pack(">q", 900) + b"another_tool\0"))
+    assert d.origin is None, "an origin pgcascade did not make is not a peer"
 
 
 def test_a_transaction_captured_before_is_skipped():
