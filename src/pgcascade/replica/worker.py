@@ -107,6 +107,7 @@ class Worker(Daemon):
             cfg.db, cfg.worker.apply_connections, cfg.worker.parallel_apply_min_events
         )
         self.peer_workers: dict[str, Worker] = {}  # a master's: peer queue -> its worker
+        self.prov_logical = False  # the provider is a two-way peer with logical capture
         self.origin_session: psycopg.Connection | None = None  # runs under the peer's replication origin
         self.retry_at = 0.0  # a peer's worker after an error: not before then
         self.backoff = 0.0
@@ -144,6 +145,8 @@ class Worker(Daemon):
             self.prov.execute("set synchronous_commit = off")
             q.listen(self.prov)
             self.prov_node = node.provider_node
+            # a two-way peer's capture mode decides which commit time its events carry
+            self.prov_logical = node.is_peer and walcapture.is_logical(self.prov, self.queue)
         return self.sub, self.prov, node
 
     def drop_connections(self) -> None:
@@ -336,7 +339,7 @@ class Worker(Daemon):
                 info,
                 carry=carry,
                 peer=peer is not None,
-                peer_logical=peer is not None and walcapture.is_logical(prov, self.queue),
+                peer_logical=self.prov_logical,
             )
             self.phases.mark("stage")
         if node.combined_queue:
