@@ -76,8 +76,9 @@ class TwoWaySet:
                     extra = ("--conflict", policy) if policy else ()
                     m.cli("add-peer", p.name, "--location", p.db.connstr, *extra)
 
-    def start(self) -> None:
-        for m in self.masters.values():
+    def start(self, *names: str) -> None:
+        """Tickers and workers of these masters (all, by default)."""
+        for m in [self.masters[n] for n in names] if names else self.masters.values():
             if m.ticker is None or m.ticker.poll() is not None:
                 tini = self.tmp / f"ticker_{m.name}.ini"
                 tini.write_text(
@@ -508,3 +509,81 @@ def test_two_masters_with_logical_capture_converge_without_echo(two_way: TwoWayS
     assert tagged > 0, "the capture daemon did not tag what the peer's apply made"
     assert echo == 0, "a's capture sent b's insert on as a's own"
     assert two_way.rows("b", "t") == {200: (1, "after truncate")}
+    # a table a holds with rows, added on b empty: copied from a, under a's replication origin
+    make_tables(a, "u")
+    a.execute("insert into u select i, i, 'a' from generate_series(1, 500) i")
+    a.cli("add-table", "u")
+    make_tables(b, "u")
+    assert "copied from master a" in b.cli("add-table", "u").stdout
+    two_way.wait_converged("u")
+    b.execute("update u set note = 'b' where id = 7")
+    two_way.wait_converged("u")
+    assert len(two_way.rows("a", "u")) == 500 and two_way.rows("a", "u")[7] == (7, "b")
+    with a.db.connect() as conn:  # the copy's rows did not come back to a as b's
+        back = conn.execute("select count(*) from pgcascade.conflict where table_name = 'public.u'").fetchone()[0]
+    assert back == 0
+
+
+def test_a_master_that_joins_copies_a_table_from_a_peer_while_the_others_write(
+    two_way: TwoWaySet, make_db
+) -> None:
+    """Masters a and c hold a table and write to it; master b joins with the table empty and
+    `add-table` copies it from a once, while a and c go on writing: c's changes that a had not
+    applied at the copy's snapshot reach b from c's queue, from that point on.  All three end
+    equal, and the copied rows count as a's version (each master writes rows of its own: no
+    change may be judged a conflict)."""
+    a, c = two_way.add_master("a", make_db("a")), two_way.add_master("c", make_db("c"))
+    for m in (a, c):
+        make_tables(m, "accounts")
+        m.cli("add-table", "accounts")
+    two_way.connect_all()
+    two_way.start()
+    a.execute("insert into accounts select i, 0, 'a' from generate_series(1, 20000) i")
+    wait_until(lambda: two_way.rows("c", "accounts").keys() == two_way.rows("a", "accounts").keys(), timeout=60)
+    stop = threading.Event()
+    written = {"a": 0, "b": 0, "c": 0}
+
+    def writer(m: Master, first: int, last: int) -> None:
+        rnd = random.Random(first)
+        with m.db.connect(autocommit=True) as conn:
+            while not stop.is_set():
+                aid = rnd.randint(first, last)  # a range of its own per master: no conflict
+                conn.execute("update accounts set balance = balance + 1, note = %s where id = %s", (m.name, aid))
+                if written[m.name] % 10 == 0:
+                    conn.execute("insert into accounts values (%s, 0, %s)", (100000 * first + written[m.name], m.name))
+                written[m.name] += 1
+
+    threads = [
+        threading.Thread(target=writer, args=(a, 1, 10000)),
+        threading.Thread(target=writer, args=(c, 10001, 20000)),
+    ]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1)
+        b = two_way.add_master("b", make_db("b"))
+        make_tables(b, "accounts")
+        for m in (a, c):
+            m.cli("add-peer", "b", "--location", b.db.connstr)
+            b.cli("add-peer", m.name, "--location", m.db.connstr)
+        said = b.cli("add-table", "accounts").stdout
+        assert "copied from master a" in said, said
+        two_way.start("b")
+        log = two_way.tmp / "b.log"
+        wait_until(lambda: log.exists() and "replayed from tick" in log.read_text(), timeout=60)
+        time.sleep(3)
+        b_writer = threading.Thread(target=writer, args=(b, 20001, 20001))  # inserts of its own
+        b_writer.start()
+        threads.append(b_writer)
+        time.sleep(3)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    two_way.wait_converged("accounts")
+    assert min(written.values()) > 10, written
+    with b.db.connect() as conn:
+        states = conn.execute("select queue_name, state from pgcascade.subscriber_table order by 1").fetchall()
+    assert states == [("tw_a", "ok"), ("tw_c", "ok")], states
+    for m in two_way.masters.values():
+        assert conflicts_of(m) == [], f"{m.name}: {conflicts_of(m)[:5]}"

@@ -292,7 +292,7 @@ class WalCapture(Daemon):
             self.on_relation(r)
         elif kind == b"O":
             r.unpack(">q")  # the origin's commit LSN
-            self.origin = peer_of_origin(r.cstring())
+            self.origin = logical.peer_of_origin(r.cstring())
         elif self.skip or kind == b"Y":
             return
         elif kind == b"I":
@@ -464,8 +464,3 @@ class WalCapture(Daemon):
             (self.queue, ev_type, extra1, self.origin),
         )
         self.events += 1
-
-
-def peer_of_origin(name: str) -> str | None:
-    """The two-way peer a replication origin stands for (`pgcascade_<peer>`), or None."""
-    return name.removeprefix(logical.ORIGIN_PREFIX) if name.startswith(logical.ORIGIN_PREFIX) else None

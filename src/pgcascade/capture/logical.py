@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 
 import psycopg
 from psycopg import sql
@@ -24,21 +25,44 @@ log = logging.getLogger("pgcascade.capture")
 
 
 # a two-way master's apply of peer P runs under the replication origin ORIGIN_PREFIX + P: the
-# capture daemon tags what it made with P (no echo)
+# capture daemon tags what it made with P (no echo).  An origin is used by one session at a
+# time: a copy process (a table's first copy from P, or its catch-up) has one of its own,
+# COPY_ORIGIN_PREFIX + <hash of its queue and table> + "." + P, dropped when it is done.
 ORIGIN_PREFIX = "pgcascade_"
+COPY_ORIGIN_PREFIX = "pgcascade."
 
 
-def ensure_origin(conn: psycopg.Connection, peer: str) -> None:
+def ensure_origin(conn: psycopg.Connection, peer: str, name: str | None = None) -> None:
+    name = name or ORIGIN_PREFIX + peer
     conn.execute(
         "select pg_replication_origin_create(%s)"
         " where not exists (select 1 from pg_replication_origin where roname = %s)",
-        (ORIGIN_PREFIX + peer, ORIGIN_PREFIX + peer),
+        (name, name),
     )
 
 
-def use_origin(conn: psycopg.Connection, peer: str) -> None:
+def use_origin(conn: psycopg.Connection, peer: str, name: str | None = None) -> None:
     """This session's changes are peer's (for the rest of the session)."""
-    conn.execute("select pg_replication_origin_session_setup(%s)", (ORIGIN_PREFIX + peer,))
+    conn.execute("select pg_replication_origin_session_setup(%s)", (name or ORIGIN_PREFIX + peer,))
+
+
+def copy_origin(peer: str, queue: str, table: str) -> str:
+    return f"{COPY_ORIGIN_PREFIX}{zlib.crc32(f'{queue} {table}'.encode()):08x}.{peer}"
+
+
+def drop_origin(conn: psycopg.Connection, name: str) -> None:
+    conn.execute(
+        "select pg_replication_origin_drop(roname) from pg_replication_origin where roname = %s", (name,)
+    )
+
+
+def peer_of_origin(name: str) -> str | None:
+    """The two-way peer a replication origin stands for, or None."""
+    if name.startswith(ORIGIN_PREFIX):
+        return name.removeprefix(ORIGIN_PREFIX)
+    if name.startswith(COPY_ORIGIN_PREFIX):
+        return name.removeprefix(COPY_ORIGIN_PREFIX).partition(".")[2] or None
+    return None
 
 
 def is_logical(conn: psycopg.Connection, queue: str) -> bool:

@@ -3,7 +3,9 @@
 Every master is the root of its own queue.  `add-peer` makes it a subscriber of another
 master's queue as well: a node row of that queue here (`peer_of` = this master's queue), its
 consumer registered there, and this master's tables subscribed in state ok (every master holds
-the same rows; a table the peer adds later is in its set then).  The worker of the master replays every peer's queue (replica/worker.py).
+the same rows; a table the peer adds later is in its set then).  The worker of the master
+replays every peer's queue (replica/worker.py).  A table added later that is empty here and
+has rows on a peer is copied from it (replica/copy.py: CopyProcess.copied_from_peer).
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from pgcascade.capture import logical
 from pgcascade.capture import tables as set_tables
 from pgcascade.core import pgconn
 from pgcascade.core.errors import UserError
+from pgcascade.core.pgconn import scalar
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
 from pgcascade.pgq.node import NodeType
+from pgcascade.replica import state as states
 from pgcascade.replica import tables as subscriber
 from pgcascade.replica.conflicts import ConflictPolicy
 
@@ -103,17 +107,46 @@ def add_peer(
     return True
 
 
-def tables_added(conn: psycopg.Connection, own_queue: str, added: list[str]) -> None:
-    """add-table on a master with peers: the new tables are two-way, and subscribed from every peer."""
+def tables_added(conn: psycopg.Connection, own_queue: str, added: list[str]) -> dict[str, str]:
+    """add-table on a master with peers: the new tables are two-way, and subscribed from every
+    peer.  A table empty here that a peer holds with rows is copied from that peer once (the
+    first by name); the copy then has the other peers replay what it does not hold.  Returns
+    table -> the peer it is copied from."""
     peer_nodes = nodes.peers(conn, own_queue)
     if not peer_nodes or not added:
-        return
+        return {}
     ours = set_tables.set_tables(conn, own_queue)
+    sources = copy_sources(conn, peer_nodes, [t for t in added if not has_rows(conn, t)])
     with conn.transaction():
         for table in added:
             set_tables.make_two_way(conn, table, ours[table])
         for p in peer_nodes:
-            subscriber.subscribe_peer_tables(conn, p.queue_name, {t: ours[t] for t in added})
+            subscriber.subscribe_peer_tables(
+                conn, p.queue_name, {t: ours[t] for t in added if t not in sources}
+            )
+            copied = {t: ours[t] for t, source in sources.items() if source == p.provider_node}
+            subscriber.subscribe_peer_tables(conn, p.queue_name, copied, states.NEW)
+    return sources
+
+
+def has_rows(conn: psycopg.Connection, table: str) -> bool:
+    return bool(scalar(conn, sql.SQL("select exists (select 1 from {})").format(sql.SQL(table))))
+
+
+def copy_sources(conn: psycopg.Connection, peer_nodes: list[nodes.Node], empty: list[str]) -> dict[str, str]:
+    """For each table empty here: the first peer whose set holds it with rows."""
+    sources: dict[str, str] = {}
+    for p in peer_nodes:
+        wanted = [t for t in empty if t not in sources]
+        if not wanted:
+            break
+        with pgconn.connect(nodes.provider_location(conn, p), autocommit=True, connect_timeout=10) as prov:
+            theirs = set_tables.set_tables(prov, p.queue_name)
+            for t in wanted:
+                if t in theirs and has_rows(prov, t):
+                    assert p.provider_node is not None
+                    sources[t] = p.provider_node
+    return sources
 
 
 def set_table_policy(

@@ -80,11 +80,13 @@ def capture(ctx: Context, detach: bool, ctl: str | None) -> None:
 
 @click.command(hidden=True)
 @click.argument("table")
+@click.option("--queue", help="the queue the table comes from (a two-way master's peer queue)")
 @pass_ctx
-def copy(ctx: Context, table: str) -> None:
+def copy(ctx: Context, table: str, queue: str | None) -> None:
     """Internal: the copy process of one table (the worker starts it)."""
     setup_logging(ctx.cfg.logfile, verbose=ctx.verbose, quiet=ctx.quiet)
-    CopyProcess(ctx.cfg, table, bulk=SparkCopier()).start()
+    cfg = ctx.cfg.with_changes(queue_name=queue) if queue else ctx.cfg
+    CopyProcess(cfg, table, bulk=SparkCopier()).start()
 
 
 COMMANDS = [ticker, worker, capture, copy]

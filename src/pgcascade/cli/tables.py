@@ -101,8 +101,10 @@ def add_table(
             keys = [k.strip() for k in key.split(",")] if key else None
             parsed = ConflictPolicy.parse(policy) if policy else None
             added = set_tables.add_tables(conn, queue, list(tables), all_tables, keys, event_format)
-            peers.tables_added(conn, queue, added)
+            sources = peers.tables_added(conn, queue, added)
             echo_each("added", added)
+            for table, source in sources.items():
+                click.echo(f"{table}: rows copied from master {source} by the worker")
             if parsed is not None:
                 named = set_tables.set_tables(conn, queue)
                 if not all_tables:

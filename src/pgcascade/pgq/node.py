@@ -184,6 +184,15 @@ def peers(conn: psycopg.Connection, own_queue: str) -> list[Node]:
         ).fetchall()
 
 
+def peer_ticks(conn: psycopg.Connection, own_queue: str) -> dict[str, int | None]:
+    """How far the master that is the root of `own_queue` has applied each peer's queue."""
+    return dict(
+        conn.execute(
+            "select queue_name, last_tick from pgcascade.node where peer_of = %s", (own_queue,)
+        ).fetchall()
+    )
+
+
 def set_conflict_policy(conn: psycopg.Connection, queue_name: str, policy: str) -> None:
     conn.execute("update pgcascade.node set conflict_policy = %s where queue_name = %s", (policy, queue_name))
 

@@ -30,9 +30,11 @@ from pgcascade.core import catalog
 from pgcascade.core.errors import RuntimeFailure, db_error_line
 from pgcascade.core.hooks import pause_point
 from pgcascade.core.pgconn import scalar
+from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
 from pgcascade.pgq.queue import BatchInfo
-from pgcascade.replica.tables import SubscriberTable
+from pgcascade.replica.conflicts import DEFAULT_POLICY
+from pgcascade.replica.tables import SubscriberTable, peer_policies
 
 log = logging.getLogger("pgcascade.apply")
 
@@ -74,6 +76,7 @@ def ensure_stage(sub: psycopg.Connection) -> None:
 # carry that master in ev_extra4: that master sends them itself), and as ev_time each change's
 # commit time on the peer, which conflicts are resolved by (logical capture writes it as the
 # event's ev_time; a trigger's event has the commit time of its ev_txid)
+PEER_SEEN = "pgcascade.peer-seen"  # a master's marker: how far it had applied each other master
 PEER_SELECT = "ev_id, ev_txid, ev_type, ev_data, ev_extra1, {}, ev_extra2, ev_extra3, ev_extra4"
 PEER_TIME = {False: "coalesce(pgcascade.commit_time(ev_txid::text::xid8), ev_time)", True: "ev_time"}
 
@@ -99,7 +102,10 @@ def stage_batch(
     select = sql.SQL(PEER_SELECT.format(PEER_TIME[peer_logical])) if peer else cols
     conditions: list[sql.Composable] = [sql.SQL("ev_extra4 is null")] if peer else []
     if only_tables is not None:
-        conditions.append(sql.SQL("ev_extra1 = any({}::text[])").format(sql.Literal(only_tables)))
+        of_tables = sql.SQL("ev_extra1 = any({}::text[])").format(sql.Literal(only_tables))
+        if peer:  # a peer's markers say what it had seen: its conflicts are judged by them
+            of_tables = sql.SQL("({} or ev_type = {})").format(of_tables, sql.Literal(PEER_SEEN))
+        conditions.append(of_tables)
     if not row_events:
         conditions.append(sql.SQL("ev_type not in ('I', 'U', 'D')"))
     query = sql.SQL("copy (select {} from ({}) b{}) to stdout").format(
@@ -305,6 +311,25 @@ class PeerBatch:
     policies: dict[str, str]  # per-table policies
 
 
+def peer_batch(sub: psycopg.Connection, node: nodes.Node, tick: int) -> PeerBatch | None:
+    """In the transaction of a batch of `node`'s queue: a two-way peer's batch is written as the
+    peer's (`pgcascade.origin`: the capture triggers tag what they write with it, peers take no
+    tagged event) and applied with conflicts resolved by the policies; None for any other node."""
+    if not node.is_peer:
+        return None
+    assert node.provider_node is not None and node.peer_of is not None
+    sub.execute("select set_config('pgcascade.origin', %s, true)", (node.provider_node,))
+    return PeerBatch(
+        node.queue_name,
+        node.provider_node,
+        node.node_name,
+        node.peer_of,
+        tick,
+        node.conflict_policy or DEFAULT_POLICY,
+        peer_policies(sub, node.queue_name),
+    )
+
+
 class ApplyError(RuntimeFailure):
     """An event could not be applied; the message names the table and the server's reason."""
 
@@ -337,6 +362,12 @@ def apply_staged(
     set's own events (locations, watermark), which copy processes leave to it; and `peer` for
     a two-way peer's batch."""
     stats = BatchStats()
+    if peer is not None and skip is not None:  # the peer's apply takes no snapshot: drop them here
+        sub.execute(
+            "delete from pg_temp.pgcascade_stage where ev_type in ('I', 'U', 'D')"
+            " and pg_visible_in_snapshot(ev_txid::text::xid8, %s::pg_snapshot)",
+            (skip,),
+        )
     with sub.pipeline():  # one round trip: the barriers, and the tables if there are none
         barrier_rows = sub.execute(
             "select ev_id, ev_type, ev_data, ev_extra1, ev_extra2 from pg_temp.pgcascade_stage"

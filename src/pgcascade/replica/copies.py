@@ -91,7 +91,17 @@ class CopyLauncher:
         return t.copy_pid is not None and pid_alive(t.copy_pid) and is_copy_process(t.copy_pid)
 
     def launch(self, table: str) -> None:
-        cmd = [sys.executable, "-m", "pgcascade", "-q", str(self.cfg.path), "copy", table]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pgcascade",
+            "-q",
+            str(self.cfg.path),
+            "copy",
+            table,
+            "--queue",
+            self.queue,
+        ]
         self.copies[table] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
 
     def stop_all(self) -> None:

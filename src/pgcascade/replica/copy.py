@@ -27,6 +27,7 @@ from typing import Protocol
 import psycopg
 from psycopg import sql
 
+from pgcascade.capture import logical
 from pgcascade.capture import tables as set_tables
 from pgcascade.core import catalog, copystream, pgconn
 from pgcascade.core.config import JobConfig
@@ -37,7 +38,7 @@ from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
 from pgcascade.replica import state as states
 from pgcascade.replica import tables as subscriber
-from pgcascade.replica.apply import APPLY_SETTINGS, TableApplier, apply_staged, stage_batch
+from pgcascade.replica.apply import APPLY_SETTINGS, TableApplier, apply_staged, peer_batch, stage_batch
 from pgcascade.replica.definitions import SavedDefinitions
 from pgcascade.replica.state import Phase
 
@@ -97,6 +98,7 @@ class CopyProcess(Daemon):
         self.bulk = bulk
         self.sub: psycopg.Connection | None = None
         self.prov: psycopg.Connection | None = None
+        self.origin: str | None = None  # a logical master's: the replication origin it writes under
         self.connect()
         self.consumer = copy_consumer_name(self.node.consumer, table)
         self.applier: TableApplier | None = None
@@ -113,8 +115,15 @@ class CopyProcess(Daemon):
             self.prov_location = subscriber.copy_source(
                 self.sub, self.node, self.table, st.copy_node if st is not None else None
             )
+            if self.node.is_peer:
+                assert self.node.peer_of is not None and self.node.provider_node is not None
+                if logical.is_logical(self.sub, self.node.peer_of):  # as the worker's apply does
+                    self.origin = logical.copy_origin(self.node.provider_node, self.queue, self.table)
+                    logical.ensure_origin(self.sub, self.node.provider_node, self.origin)
+                    logical.use_origin(self.sub, self.node.provider_node, self.origin)
         if self.prov is None or self.prov.closed:
             self.prov = pgconn.connect(self.prov_location, autocommit=True, connect_timeout=10)
+            self.prov_logical = self.node.is_peer and logical.is_logical(self.prov, self.queue)
         return self.sub, self.prov
 
     def drop_connections(self) -> None:
@@ -154,8 +163,10 @@ class CopyProcess(Daemon):
         if lacking:
             log.info("%s: waiting for the provider to hold it (%s)", self.table, lacking[self.table])
             return False
-        if self.bulk is not None and self.bulk.wanted(self.cfg, sub, prov, self.queue, self.table):
-            return self.bulk.run(self, st)  # a large table: key ranges copied by Spark tasks, resumable
+        # a copy from a two-way peer is this process's own: it tags what it writes as the peer's
+        bulk = self.bulk if not self.node.is_peer else None
+        if bulk is not None and bulk.wanted(self.cfg, sub, prov, self.queue, self.table):
+            return bulk.run(self, st)  # a large table: key ranges copied by Spark tasks, resumable
         return self.initial_copy(st)
 
     def ddl_pending(self, snapshot: str) -> bool:
@@ -229,6 +240,7 @@ class CopyProcess(Daemon):
             log.info("%s: copying under snapshot %s, catch-up from tick %d", self.table, snapshot, reg_tick)
             with self.sub.transaction():
                 self.sub.execute(APPLY_SETTINGS)
+                peer = peer_batch(self.sub, self.node, reg_tick)
                 saved = SavedDefinitions.read(self.sub, st.dest_table)
                 saved.drop(self.sub)
                 if not st.skip_truncate:
@@ -246,6 +258,8 @@ class CopyProcess(Daemon):
                 copied = time.monotonic()
                 pause_point("in-copy", self.table)
                 saved.restore(self.sub)
+                if peer is not None:
+                    self.copied_from_peer(snap_conn, st)
                 subscriber.set_state(
                     self.sub,
                     self.queue,
@@ -264,6 +278,37 @@ class CopyProcess(Daemon):
         )
         return True
 
+    def copied_from_peer(self, snap_conn: psycopg.Connection, st: subscriber.SubscriberTable) -> None:
+        """In the copy's transaction, a copy from a two-way peer: the copied rows count as the
+        peer's, older than any change and seen by every master (one peer_copy row, not a version
+        per row), and this master's other peers replay their changes to the table from where the
+        copy leaves them - the tick of their queue that the source had applied in the copy's
+        snapshot."""
+        assert self.sub is not None and self.node.peer_of is not None
+        self.sub.execute(
+            "insert into pgcascade.peer_copy (table_name, xid, origin) values (%s, pg_current_xact_id(), %s)"
+            " on conflict (table_name) do update set xid = excluded.xid, origin = excluded.origin",
+            (self.table, self.node.provider_node),
+        )
+        applied = nodes.peer_ticks(snap_conn, self.queue)
+        for other in nodes.peers(self.sub, self.node.peer_of):
+            if other.queue_name == self.queue:
+                continue
+            since = applied.get(other.queue_name)
+            if since is not None:
+                with pgconn.connect(nodes.provider_location(self.sub, other), autocommit=True) as prov:
+                    consumer = copy_consumer_name(other.consumer, self.table)
+                    with contextlib.suppress(psycopg.errors.NoDataFound, psycopg.errors.RaiseException):
+                        q.unregister_consumer(prov, other.queue_name, consumer)
+                    q.register_consumer_at(prov, other.queue_name, consumer, since)
+            subscriber.catch_up_peer_table(self.sub, other.queue_name, self.table, st.key_columns, since)
+            log.info(
+                "%s: changes from %s replayed from tick %s of its queue",
+                self.table,
+                other.provider_node,
+                since,
+            )
+
     def apply_next_batch(self, st: subscriber.SubscriberTable, max_tick: int | None) -> bool:
         sub, prov = self.connect()
         info = q.next_batch(prov, self.queue, self.consumer, self.cfg.worker.max_batch_events, max_tick)
@@ -278,9 +323,17 @@ class CopyProcess(Daemon):
             done = subscriber.lock_copy_tick(sub, self.queue, self.table)
             stats = None
             if done is None or done == info.prev_tick_id:
-                stage_batch(prov, sub, info, only_tables=[self.table])
-                stats = apply_staged(sub, {self.table: self.applier}, skip=st.copy_snapshot)
                 assert info.cur_tick_id is not None
+                peer = peer_batch(sub, self.node, info.cur_tick_id)
+                stage_batch(
+                    prov,
+                    sub,
+                    info,
+                    only_tables=[self.table],
+                    peer=peer is not None,
+                    peer_logical=self.prov_logical,
+                )
+                stats = apply_staged(sub, {self.table: self.applier}, skip=st.copy_snapshot, peer=peer)
                 subscriber.set_copy_tick(sub, self.queue, self.table, info.cur_tick_id)
         if stats is None:  # the batch does not start at our record (see Worker.process_batch)
             assert done is not None
@@ -301,6 +354,9 @@ class CopyProcess(Daemon):
     def finish(self, st: subscriber.SubscriberTable) -> None:
         assert self.sub is not None and self.prov is not None
         subscriber.set_state(self.sub, self.queue, self.table, states.OK, copy_snapshot=None, copy_pid=None)
+        if self.origin is not None:
+            self.sub.execute("select pg_replication_origin_session_reset()")
+            logical.drop_origin(self.sub, self.origin)
         with contextlib.suppress(psycopg.Error):
             q.unregister_consumer(self.prov, self.queue, self.consumer)
         log.info("%s: in sync at tick %d: ok", self.table, st.copy_tick)

@@ -256,15 +256,37 @@ def add_tables(
     return added
 
 
-def subscribe_peer_tables(conn: psycopg.Connection, peer_queue: str, tables: dict[str, list[str]]) -> None:
-    """A master subscribes to its tables in a peer's queue: in state ok (the masters hold the same
-    rows), and writable (a master takes local writes)."""
+def subscribe_peer_tables(
+    conn: psycopg.Connection, peer_queue: str, tables: dict[str, list[str]], state: TableState = states.OK
+) -> None:
+    """A master subscribes to its tables in a peer's queue, writable (a master takes local
+    writes): in state ok when the masters hold the same rows, NULL to copy them from that peer."""
     for table, keys in tables.items():
         conn.execute(
             "insert into pgcascade.subscriber_table (queue_name, table_name, dest_table, key_columns, state,"
             " local_writes) values (%s, %s, %s, %s, %s, true) on conflict (queue_name, table_name) do nothing",
-            (peer_queue, table, table, keys, states.OK.stored()),
+            (peer_queue, table, table, keys, state.stored()),
         )
+
+
+# a snapshot that sees no transaction: a catch-up that skips nothing
+SEES_NOTHING = "1:1:"
+
+
+def catch_up_peer_table(
+    conn: psycopg.Connection, peer_queue: str, table: str, keys: list[str], tick: int | None
+) -> None:
+    """A table just copied here from another master: this peer's changes to it from `tick` on
+    (those the copy does not hold) are replayed by a copy process before the worker takes it
+    over; with no tick, the worker takes it at once."""
+    state = states.CATCHING_UP if tick is not None else states.OK
+    conn.execute(
+        "insert into pgcascade.subscriber_table as t (queue_name, table_name, dest_table, key_columns, state,"
+        " local_writes, copy_tick, copy_snapshot) values (%s, %s, %s, %s, %s, true, %s, %s)"
+        " on conflict (queue_name, table_name) do update set state = excluded.state,"
+        " copy_tick = excluded.copy_tick, copy_snapshot = excluded.copy_snapshot, applied_tick = null",
+        (peer_queue, table, table, keys, state.stored(), tick, SEES_NOTHING if tick is not None else None),
+    )
 
 
 def peer_policies(conn: psycopg.Connection, peer_queue: str) -> dict[str, str]:

@@ -51,9 +51,9 @@ from pgcascade.replica.apply import (
     apply_staged,
     ensure_stage,
     merge_staged,
+    peer_batch,
     stage_batch,
 )
-from pgcascade.replica.conflicts import DEFAULT_POLICY
 from pgcascade.replica.copies import CopyLauncher
 from pgcascade.replica.copy import BulkCopier
 from pgcascade.replica.parallel import ParallelApply, ahead_of, left_out
@@ -371,24 +371,15 @@ class Worker(Daemon):
         return stats
 
     def peer_batch(self, sub: psycopg.Connection, node: nodes.Node, tick: int) -> PeerBatch | None:
-        """A two-way peer's batch: its changes are applied as this peer's (the capture triggers
-        tag what they write with it), with conflicts resolved by the policies."""
-        if not node.is_peer:
-            return None
-        assert node.provider_node is not None and node.peer_of is not None
-        sub.execute("select set_config('pgcascade.origin', %s, true)", (node.provider_node,))
-        if self.origin_session is not sub and walcapture.is_logical(sub, node.peer_of):
-            walcapture.use_origin(sub, node.provider_node)  # how logical capture tells these changes
+        """A two-way peer's batch (apply.peer_batch); with logical capture here, the session
+        runs under the peer's replication origin, which is how the capture tells these changes."""
+        batch = peer_batch(sub, node, tick)
+        if batch is not None and self.origin_session is not sub:
+            assert node.peer_of is not None
+            if walcapture.is_logical(sub, node.peer_of):
+                walcapture.use_origin(sub, batch.peer)
             self.origin_session = sub
-        return PeerBatch(
-            self.queue,
-            node.provider_node,
-            node.node_name,
-            node.peer_of,
-            tick,
-            node.conflict_policy or DEFAULT_POLICY,
-            subscriber.peer_policies(sub, self.queue),
-        )
+        return batch
 
     # --- a merge-leaf (combined partitions) ---
     def combined_is_root(self, sub: psycopg.Connection, node: nodes.Node) -> bool:

@@ -5,7 +5,8 @@
 -- track_commit_timestamp (its xmin).  A row last written by a peer's apply has a row_version
 -- entry whose xid is that apply's transaction: it keeps the origin's own commit time, so every
 -- master compares the same versions and last-update-wins converges.  A deleted row leaves a
--- tombstone there (local deletes through pgcascade.record_tombstones).
+-- tombstone there (local deletes through pgcascade.record_tombstones).  A row the first copy of
+-- its table from a peer wrote (pgcascade.peer_copy) is that peer's, older than any change.
 --
 -- Seen.  A remote change conflicts with the local version only if the peer had not applied
 -- that version when it made its change.  Each master's apply of a peer's batch writes a marker
@@ -67,6 +68,12 @@ language plpgsql as $$
 declare
     t text;
 begin
+    -- already so: no ALTER TABLE (its lock would wait for, and hold up, the table's writers)
+    if i_on = exists (select 1 from pg_trigger where tgrelid = i_table and tgname = '_pgcascade_tombstone_upd')
+       and not exists (select 1 from pg_trigger where tgrelid = i_table and tgname like '\_pgcascade\_capture\_%'
+                          and (tgenabled = 'A') <> i_on) then
+        return;
+    end if;
     foreach t in array array['_pgcascade_capture_ins', '_pgcascade_capture_upd', '_pgcascade_capture_del',
                              '_pgcascade_capture_trunc'] loop
         if exists (select 1 from pg_trigger where tgrelid = i_table and tgname = t) then
@@ -149,6 +156,13 @@ begin
        set (rv_origin, rv_tick, rv_time, rv_xid, rv_deleted) =
            (select origin, origin_tick, origin_time, xid, deleted from pgcascade.row_version v
              where v.table_name = i_table and v.row_key = n.row_key);
+    -- a row as the first copy from a peer left it: that peer's, seen by every master, older
+    -- than any change (pgcascade.peer_copy)
+    update pg_temp.pgcascade_peer_net n
+       set (rv_origin, rv_tick, rv_time, rv_xid, rv_deleted) = (c.origin, 0, '-infinity', c.xid, false)
+      from pgcascade.peer_copy c
+     where c.table_name = i_table and n.local_exists and c.xid = n.local_xid
+       and n.rv_xid is distinct from n.local_xid;
     update pg_temp.pgcascade_peer_net n set
         local_kind = case when n.local_exists and n.rv_xid = n.local_xid and not n.rv_deleted then 'peer'
                           when n.local_exists then 'local'
