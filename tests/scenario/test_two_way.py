@@ -520,7 +520,9 @@ def test_two_masters_with_logical_capture_converge_without_echo(two_way: TwoWayS
     two_way.wait_converged("u")
     assert len(two_way.rows("a", "u")) == 500 and two_way.rows("a", "u")[7] == (7, "b")
     with a.db.connect() as conn:  # the copy's rows did not come back to a as b's
-        back = conn.execute("select count(*) from pgcascade.conflict where table_name = 'public.u'").fetchone()[0]
+        back = conn.execute(
+            "select count(*) from pgcascade.conflict where table_name = 'public.u'"
+        ).fetchone()[0]
     assert back == 0
 
 
@@ -539,7 +541,9 @@ def test_a_master_that_joins_copies_a_table_from_a_peer_while_the_others_write(
     two_way.connect_all()
     two_way.start()
     a.execute("insert into accounts select i, 0, 'a' from generate_series(1, 20000) i")
-    wait_until(lambda: two_way.rows("c", "accounts").keys() == two_way.rows("a", "accounts").keys(), timeout=60)
+    wait_until(
+        lambda: two_way.rows("c", "accounts").keys() == two_way.rows("a", "accounts").keys(), timeout=60
+    )
     stop = threading.Event()
     written = {"a": 0, "b": 0, "c": 0}
 
@@ -548,9 +552,13 @@ def test_a_master_that_joins_copies_a_table_from_a_peer_while_the_others_write(
         with m.db.connect(autocommit=True) as conn:
             while not stop.is_set():
                 aid = rnd.randint(first, last)  # a range of its own per master: no conflict
-                conn.execute("update accounts set balance = balance + 1, note = %s where id = %s", (m.name, aid))
+                conn.execute(
+                    "update accounts set balance = balance + 1, note = %s where id = %s", (m.name, aid)
+                )
                 if written[m.name] % 10 == 0:
-                    conn.execute("insert into accounts values (%s, 0, %s)", (100000 * first + written[m.name], m.name))
+                    conn.execute(
+                        "insert into accounts values (%s, 0, %s)", (100000 * first + written[m.name], m.name)
+                    )
                 written[m.name] += 1
 
     threads = [
@@ -583,7 +591,9 @@ def test_a_master_that_joins_copies_a_table_from_a_peer_while_the_others_write(
     two_way.wait_converged("accounts")
     assert min(written.values()) > 10, written
     with b.db.connect() as conn:
-        states = conn.execute("select queue_name, state from pgcascade.subscriber_table order by 1").fetchall()
+        states = conn.execute(
+            "select queue_name, state from pgcascade.subscriber_table order by 1"
+        ).fetchall()
     assert states == [("tw_a", "ok"), ("tw_c", "ok")], states
     for m in two_way.masters.values():
         assert conflicts_of(m) == [], f"{m.name}: {conflicts_of(m)[:5]}"
