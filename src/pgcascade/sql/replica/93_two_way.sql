@@ -35,10 +35,11 @@ language sql immutable as $$
                   array_to_string(array(select format('%s.%I', i_alias, k) from unnest(i_keys) k), ', '))
 $$;
 
--- pgcascade.record_tombstones(): AFTER DELETE / UPDATE statement trigger on a master's two-way
--- tables (TG_ARGV = the key columns).  A local delete (or the old key of a key-changing update)
--- leaves a tombstone, so a peer's concurrent change to that row is seen as a conflict and
--- resolved by time.  A peer's apply (pgcascade.origin set) writes its own.
+-- pgcascade.record_tombstones(): AFTER DELETE statement trigger on a master's two-way tables
+-- (TG_ARGV = the key columns).  A local delete leaves a tombstone, so a peer's concurrent change
+-- to that row is seen as a conflict and resolved by time.  A peer's apply (pgcascade.origin
+-- set) writes its own.  (Masters made two-way before migration 11 run it AFTER UPDATE too, for
+-- key changes, until two_way_table makes them again: record_key_tombstone does that now.)
 create or replace function pgcascade.record_tombstones() returns trigger
 language plpgsql as $$
 declare
@@ -60,6 +61,25 @@ begin
     return null;
 end $$;
 
+-- pgcascade.record_key_tombstone(): AFTER UPDATE OF <key columns> row trigger, only when the key
+-- changed (its WHEN clause): the old key is gone, as by a delete.  Ordinary updates never fire it.
+create or replace function pgcascade.record_key_tombstone() returns trigger
+language plpgsql as $$
+declare
+    v_key jsonb;
+begin
+    if coalesce(current_setting('pgcascade.origin', true), '') <> '' then
+        return null;
+    end if;
+    execute format('select %s from (select ($1).*) o', pgcascade.key_array_expr('o', TG_ARGV::text[]))
+       into v_key using old;
+    insert into pgcascade.row_version (table_name, row_key, origin, origin_tick, origin_time, xid, deleted)
+    values (format('%I.%I', TG_TABLE_SCHEMA, TG_TABLE_NAME), v_key, null, null, null, pg_current_xact_id(), true)
+    on conflict (table_name, row_key) do update set origin = null, origin_tick = null,
+       origin_time = null, xid = excluded.xid, deleted = true;
+    return null;
+end $$;
+
 -- pgcascade.two_way_table(table, keys, on) -> void: make a set table of a master two-way (its
 -- capture triggers fire in a peer's apply too, which runs as a replica session; tombstones of
 -- local deletes) or one-way again.
@@ -69,7 +89,7 @@ declare
     t text;
 begin
     -- already so: no ALTER TABLE (its lock would wait for, and hold up, the table's writers)
-    if i_on = exists (select 1 from pg_trigger where tgrelid = i_table and tgname = '_pgcascade_tombstone_upd')
+    if i_on = exists (select 1 from pg_trigger where tgrelid = i_table and tgname = '_pgcascade_tombstone_key')
        and not exists (select 1 from pg_trigger where tgrelid = i_table and tgname like '\_pgcascade\_capture\_%'
                           and (tgenabled = 'A') <> i_on) then
         return;
@@ -81,15 +101,18 @@ begin
         end if;
     end loop;
     execute format('drop trigger if exists _pgcascade_tombstone_del on %s', i_table);
-    execute format('drop trigger if exists _pgcascade_tombstone_upd on %s', i_table);
+    execute format('drop trigger if exists _pgcascade_tombstone_upd on %s', i_table);  -- made before migration 11
+    execute format('drop trigger if exists _pgcascade_tombstone_key on %s', i_table);
     if i_on then
         execute format('create trigger _pgcascade_tombstone_del after delete on %s referencing old table as pgcascade_old'
                        ' for each statement execute function pgcascade.record_tombstones(%s)',
                        i_table, array_to_string(array(select quote_literal(k) from unnest(i_keys) k), ', '));
-        execute format('create trigger _pgcascade_tombstone_upd after update on %s'
-                       ' referencing old table as pgcascade_old new table as pgcascade_new'
-                       ' for each statement execute function pgcascade.record_tombstones(%s)',
-                       i_table, array_to_string(array(select quote_literal(k) from unnest(i_keys) k), ', '));
+        execute format('create trigger _pgcascade_tombstone_key after update of %s on %s for each row'
+                       ' when (%s) execute function pgcascade.record_key_tombstone(%s)',
+                       array_to_string(array(select quote_ident(k) from unnest(i_keys) k), ', '), i_table,
+                       array_to_string(array(select format('old.%I is distinct from new.%I', k, k)
+                                               from unnest(i_keys) k), ' or '),
+                       array_to_string(array(select quote_literal(k) from unnest(i_keys) k), ', '));
     end if;
 end $$;
 
