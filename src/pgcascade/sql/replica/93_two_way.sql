@@ -156,7 +156,7 @@ begin
             local_kind text, local_origin text, local_time timestamptz, seen bool, conflict text, winner text
         ) on commit delete rows;
     end if;
-    truncate pg_temp.pgcascade_peer_net;
+    delete from pg_temp.pgcascade_peer_net;  -- a few rows: TRUNCATE would cost a new file each call
     -- the net change per key: the last event wins; the first says how the peer's change began
     execute format(
         'insert into pg_temp.pgcascade_peer_net (row_key, first_ev, first_type, ev_type, ev_data, remote_time)'
@@ -198,19 +198,23 @@ begin
                           when n.local_exists then pg_xact_commit_timestamp(n.local_xmin)
                           when n.rv_deleted and n.rv_origin is null then pgcascade.commit_time(n.rv_xid)
                           when n.rv_deleted then n.rv_time end;
-    -- had the peer applied the local version when it made its change?
+    -- had the peer applied the local version when it made its change?  (The batch's markers
+    -- first, apart: a look-up per row in the whole staged batch would grow with its square.)
+    with m as materialized (
+        select ev_id, ev_extra1, ev_data, ev_extra2 from pg_temp.pgcascade_stage
+         where ev_type = 'pgcascade.peer-seen')
     update pg_temp.pgcascade_peer_net n set seen = case
         when n.local_kind is null or n.local_origin = i_peer then true
         when n.local_origin = i_self then coalesce(pg_visible_in_snapshot(
                  case when n.local_exists then n.local_xid else n.rv_xid end,
-                 coalesce((select m.ev_extra2::pg_snapshot from pg_temp.pgcascade_stage m
-                            where m.ev_type = 'pgcascade.peer-seen' and m.ev_extra1 = i_self and m.ev_id < n.first_ev
+                 coalesce((select m.ev_extra2::pg_snapshot from m
+                            where m.ev_extra1 = i_self and m.ev_id < n.first_ev
                             order by m.ev_id desc limit 1),
                           (select p.seen_snapshot from pgcascade.peer_seen p
                             where p.queue_name = i_peer_queue and p.origin = i_self))), false)
         else coalesce(n.rv_tick <= coalesce(
-                 (select m.ev_data::int8 from pg_temp.pgcascade_stage m
-                   where m.ev_type = 'pgcascade.peer-seen' and m.ev_extra1 = n.local_origin and m.ev_id < n.first_ev
+                 (select m.ev_data::int8 from m
+                   where m.ev_extra1 = n.local_origin and m.ev_id < n.first_ev
                    order by m.ev_id desc limit 1),
                  (select p.seen_tick from pgcascade.peer_seen p
                    where p.queue_name = i_peer_queue and p.origin = n.local_origin)), false) end;
