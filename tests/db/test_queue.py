@@ -437,3 +437,24 @@ def test_drop_queue_removes_its_tables(qdb):
         assert parts == 3
         assert q.create_queue(conn, Q) is True  # the name is free again
         assert q.create_queue(conn, Q) is False
+
+
+def test_xid8_of_gives_the_full_id_of_a_row_writer_this_transaction_included(db) -> None:
+    """Two-way conflict detection compares a row's xmin, widened to 64 bits, with recorded
+    transaction ids: the widening must hold for this transaction's own id, which is past the
+    statement snapshot's xmax, and for a committed one."""
+    with db.connect(autocommit=False) as conn:
+        conn.execute("create table t (id int primary key)")
+        conn.execute("insert into t values (1)")
+        committed = conn.execute("select pg_current_xact_id()").fetchone()[0]
+        conn.commit()
+        # a snapshot taken, other transactions' ids assigned, then this one's: past its xmax
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        conn.execute("select 1")
+        with db.connect() as other:
+            for _ in range(3):
+                other.execute("select pg_current_xact_id()")
+        conn.execute("insert into t values (2)")
+        own = conn.execute("select pg_current_xact_id()").fetchone()[0]
+        widened = dict(conn.execute("select id, pgcascade.xid8_of(xmin) from t").fetchall())
+    assert widened == {1: committed, 2: own}

@@ -20,12 +20,13 @@ language sql stable as $$
     select pg_xact_commit_timestamp((i_xid::text::int8 % 4294967296)::text::xid)
 $$;
 
--- pgcascade.xid8_of(xid) -> the full transaction id of a recent 32-bit one (a row's xmin).
+-- pgcascade.xid8_of(xid) -> the full transaction id of a recent 32-bit one (a row's xmin): the
+-- one nearest to the current snapshot's xmax, before or after it (this transaction's own id,
+-- assigned after its statement's snapshot was taken, is past that xmax).
 create or replace function pgcascade.xid8_of(i_xid xid) returns xid8
 language sql stable as $$
-    select (case when x <= c % 4294967296 then (c / 4294967296) * 4294967296 + x
-                 else (c / 4294967296 - 1) * 4294967296 + x end)::text::xid8
-      from (select pg_snapshot_xmax(pg_current_snapshot())::text::int8 c, i_xid::text::int8 x) s
+    select (r + ((x - r % 4294967296 + 6442450944) % 4294967296 - 2147483648))::text::xid8
+      from (select pg_snapshot_xmax(pg_current_snapshot())::text::int8 r, i_xid::text::int8 x) s
 $$;
 
 -- pgcascade.key_array_expr(alias, keys) -> the SQL expression of a row's key as a jsonb array.
@@ -146,6 +147,9 @@ declare
     v_winner text;
     v_conflicts int8;
     v_inserted int8;
+    v_deletes int8;
+    v_updates int8;
+    v_inserts int8;
     v_first record;
 begin
     if to_regclass('pg_temp.pgcascade_peer_net') is null then
@@ -258,25 +262,36 @@ begin
            n.local_origin, i_peer, n.local_time, n.remote_time, i_policy, n.winner, i_tick
       from pg_temp.pgcascade_peer_net n where n.conflict is not null;
     get diagnostics v_conflicts = row_count;
-    -- apply the remote winners, and record their versions
-    execute format('delete from %s t using pg_temp.pgcascade_peer_net n'
-                   ' where n.winner = ''remote'' and n.ev_type = ''D'' and n.local_exists and %s', i_dest, v_match);
-    execute format('update %s t set (%s) = (select %s) from pg_temp.pgcascade_peer_net n'
-                   ' cross join lateral json_populate_record(null::%s, n.ev_data::json) r'
-                   ' where n.winner = ''remote'' and n.ev_type <> ''D'' and n.local_exists and %s',
-                   i_dest, v_cols, v_rcols, i_dest, v_match);
-    execute format('insert into %s (%s) select %s from pg_temp.pgcascade_peer_net n'
-                   ' cross join lateral json_populate_record(null::%s, n.ev_data::json) r'
-                   ' where n.winner = ''remote'' and n.ev_type <> ''D'' and not n.local_exists'
-                   ' on conflict (%s) do nothing',
-                   i_dest, v_cols, v_rcols, i_dest,
-                   array_to_string(array(select quote_ident(k) from unnest(i_keys) k), ', '));
-    get diagnostics v_inserted = row_count;
-    if v_inserted < (select count(*) from pg_temp.pgcascade_peer_net n
-                      where n.winner = 'remote' and n.ev_type <> 'D' and not n.local_exists) then
-        -- a local insert of the same key came in after the rows were read: decide again
-        raise exception 'a row of % was inserted here while a change of % to it was applied', i_table, i_peer
-            using errcode = '40001', hint = 'the worker applies the batch again';
+    -- apply the remote winners, and record their versions (a statement only for what has rows:
+    -- a batch mostly inserts into some tables and updates others)
+    select count(*) filter (where n.ev_type = 'D' and n.local_exists),
+           count(*) filter (where n.ev_type <> 'D' and n.local_exists),
+           count(*) filter (where n.ev_type <> 'D' and not n.local_exists)
+      into v_deletes, v_updates, v_inserts
+      from pg_temp.pgcascade_peer_net n where n.winner = 'remote';
+    if v_deletes > 0 then
+        execute format('delete from %s t using pg_temp.pgcascade_peer_net n'
+                       ' where n.winner = ''remote'' and n.ev_type = ''D'' and n.local_exists and %s', i_dest, v_match);
+    end if;
+    if v_updates > 0 then
+        execute format('update %s t set (%s) = (select %s) from pg_temp.pgcascade_peer_net n'
+                       ' cross join lateral json_populate_record(null::%s, n.ev_data::json) r'
+                       ' where n.winner = ''remote'' and n.ev_type <> ''D'' and n.local_exists and %s',
+                       i_dest, v_cols, v_rcols, i_dest, v_match);
+    end if;
+    if v_inserts > 0 then
+        execute format('insert into %s (%s) select %s from pg_temp.pgcascade_peer_net n'
+                       ' cross join lateral json_populate_record(null::%s, n.ev_data::json) r'
+                       ' where n.winner = ''remote'' and n.ev_type <> ''D'' and not n.local_exists'
+                       ' on conflict (%s) do nothing',
+                       i_dest, v_cols, v_rcols, i_dest,
+                       array_to_string(array(select quote_ident(k) from unnest(i_keys) k), ', '));
+        get diagnostics v_inserted = row_count;
+        if v_inserted < v_inserts then
+            -- a local insert of the same key came in after the rows were read: decide again
+            raise exception 'a row of % was inserted here while a change of % to it was applied', i_table, i_peer
+                using errcode = '40001', hint = 'the worker applies the batch again';
+        end if;
     end if;
     insert into pgcascade.row_version as v (table_name, row_key, origin, origin_tick, origin_time, xid, deleted)
     select i_table, n.row_key, i_peer, i_tick, n.remote_time, pg_current_xact_id(), n.ev_type = 'D'
