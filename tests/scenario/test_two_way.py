@@ -17,6 +17,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from conftest import Daemons, run_cli, table_checksum
+from test_replication import PGBENCH_TABLES, pgbench, pgbench_init
 
 from pgcascade.dev.localcluster import wait_until
 
@@ -415,9 +416,10 @@ alter table history enable always trigger log_applied;
 def test_three_masters_lose_nothing_when_workers_are_killed_and_a_master_crashes(
     two_way: TwoWaySet, make_db, private_cluster
 ) -> None:
-    """SIGKILL of a worker and an immediate shutdown of a master while all three write: every
-    committed history row reaches every master, and no peer's row is applied twice (an ENABLE
-    ALWAYS trigger writes down every row a peer's apply inserts or updates)."""
+    """SIGKILL of a worker and an immediate shutdown of a master while all three write (and
+    pgbench runs on two of them): every committed history row reaches every master, no peer's
+    row is applied twice (an ENABLE ALWAYS trigger writes down every row a peer's apply inserts
+    or updates), and the pgbench tables end equal everywhere."""
     private_cluster.create_database("c")
     with private_cluster.connect() as conn:  # a commit acknowledged must survive the crash
         conn.execute("alter system set synchronous_commit = on")
@@ -430,9 +432,13 @@ def test_three_masters_lose_nothing_when_workers_are_killed_and_a_master_crashes
         m.execute("create table history (id bigint primary key, account int, delta int, origin text)")
         m.execute(APPLIED_LOG)
         m.execute("insert into accounts select i, 0, null from generate_series(1, 50) i")
-        m.cli("add-table", "accounts", "history")
+        pgbench_init(m.db)  # the same rows on every master
+        m.cli("add-table", "accounts", "history", *PGBENCH_TABLES)
     two_way.connect_all()
+    for m in masters:
+        m.cli("add-seq", "pgbench_history_hid_seq")  # history keys of its own per master
     two_way.start()
+    benches = [pgbench(m.db, "-N", "-c1", "-R", "40", "-T", "11") for m in masters[:2]]  # not c: it crashes
     stop = threading.Event()
     committed: dict[str, set[int]] = {m.name: set() for m in masters}
 
@@ -471,7 +477,14 @@ def test_three_masters_lose_nothing_when_workers_are_killed_and_a_master_crashes
         stop.set()
         for t in threads:
             t.join()
-    two_way.wait_converged("accounts", "history", timeout=120)
+        for b in benches:
+            b.wait(timeout=60)
+    assert [b.returncode for b in benches] == [0, 0], [b.stderr.read() for b in benches if b.stderr]
+    two_way.wait_converged("accounts", "history", *PGBENCH_TABLES, timeout=120)
+    with masters[2].db.connect() as conn:
+        assert conn.execute("select count(*) from pgbench_history").fetchone()[0] > 100, (
+            "pgbench wrote little"
+        )
     for m in masters:
         with m.db.connect() as conn:
             ids = {r[0] for r in conn.execute("select id from history")}
