@@ -11,7 +11,8 @@ start equal.  Each system is set up as its users would:
   pgcascade   create-root on each master (queues tw_a, tw_b), add-table of the five tables,
               add-peer both ways (last-update-wins), add-seq pgbench_history_hid_seq (spread:
               every 10th value per master); a ticker and a worker per master, the ticker
-              settings of bench/replication_bench.py.
+              settings of bench/replication_bench.py.  `pgcascade_logical`: the same with
+              `create-root --capture=logical` and a capture daemon per master.
   pglogical   pglogical 2 (Debian postgresql-15-pglogical): a node per master, the five tables
               in the default set, a subscription each way with forward_origins = '{}' and no
               initial copy, pglogical.conflict_resolution = last_update_wins; the history
@@ -34,7 +35,8 @@ database, Perl DBI drivers and a superuser plperlu install, which do not fit thi
 
     bash bench/install-peers.sh              # once, as root: also postgresql-15-pglogical
     .venv/bin/python bench/two_way_bench.py [--seconds 30] [--hot 10000] [--rate 200]
-                                            [--only pgcascade,pglogical] [--report FILE]
+                                            [--only pgcascade,pgcascade_logical,pglogical]
+                                            [--report FILE]
 """
 
 from __future__ import annotations
@@ -131,12 +133,13 @@ class System:
 class PgCascade(System):
     label = "pgcascade"
     key = "pgcascade"
+    create_args: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         self.daemons: list[subprocess.Popen] = []
 
     def setup(self, m: Masters) -> None:
-        d = m.work / "pgcascade"
+        d = m.work / self.key
         d.mkdir(parents=True, exist_ok=True)
         inis = []
         for i, name in enumerate(NAMES):
@@ -146,7 +149,8 @@ class PgCascade(System):
                 f"logfile = {d}/{name}.log\npidfile = {d}/{name}.pid\n"
             )
             inis.append(ini)
-            cli(ini, "create-root", name)
+            cli(ini, "create-root", name, *self.create_args)
+            self.root_created(d, ini, name)
             with m.conn(i) as conn:
                 for k, v in PGC_QUEUE.items():
                     conn.execute("select pgcascade.set_queue_config(%s, %s, %s)", (f"tw_{name}", k, v))
@@ -166,6 +170,9 @@ class PgCascade(System):
             self.daemons.append(PROCS.start([*PGCASCADE, "ticker", str(tini)], d / f"ticker_{name}.out"))
             self.daemons.append(PROCS.start([*PGCASCADE, str(inis[i]), "worker"], d / f"worker_{name}.out"))
 
+    def root_created(self, d: Path, ini: Path, name: str) -> None:
+        pass
+
     def teardown(self, m: Masters) -> None:
         for p in self.daemons:
             PROCS.stop(p)
@@ -183,6 +190,26 @@ class PgCascade(System):
             "pgcascade: trigger capture, ticker_period 3 ms and ticker_max_lag 3 ms (as in"
             " bench/replication_bench.py), worker defaults, last-update-wins."
         )
+
+
+class PgCascadeLogical(PgCascade):
+    """The masters capture logically: a slot per master read by its capture daemon."""
+
+    label = "pgcascade, logical capture"
+    key = "pgcascade_logical"
+    create_args = ("--capture=logical",)
+
+    def root_created(self, d: Path, ini: Path, name: str) -> None:
+        cap = d / f"{name}_capture.ini"
+        cap.write_text(
+            ini.read_text()
+            .replace(f"job_name = {name}", f"job_name = {name}_capture")
+            .replace(f"{name}.pid", f"{name}_capture.pid")
+        )
+        self.daemons.append(PROCS.start([*PGCASCADE, str(cap), "capture"], d / f"capture_{name}.out"))
+
+    def notes(self) -> str:
+        return "pgcascade, logical capture: the same, with `create-root --capture=logical` and a capture daemon per master."
 
 
 class PgLogical(System):
@@ -406,14 +433,15 @@ def report(
                 f" {f.conflicts / f.seconds:.1f} | {f.converge:.2f} s | {'yes' if f.equal else 'NO'} |"
             )
         base = results.get("pglogical", {}).get(mode)
-        ours = results.get("pgcascade", {}).get(mode)
-        if base and ours:
-            lines += [
-                "",
-                f"pgcascade / pglogical: throughput {sum(ours.tps) / sum(base.tps):.2f}x (both masters),"
-                f" lag a→b median {ours.lag['a->b'][0] / max(base.lag['a->b'][0], 1e-6):.2f}x,"
-                f" time to converge {ours.converge / max(base.converge, 1e-6):.2f}x.",
-            ]
+        for system in systems:
+            ours = results[system.key].get(mode) if system.key.startswith("pgcascade") else None
+            if base and ours:
+                lines += [
+                    "",
+                    f"{system.label} / pglogical: throughput {sum(ours.tps) / sum(base.tps):.2f}x (both masters),"
+                    f" lag a→b median {ours.lag['a->b'][0] / max(base.lag['a->b'][0], 1e-6):.2f}x,"
+                    f" time to converge {ours.converge / max(base.converge, 1e-6):.2f}x.",
+                ]
         lines.append("")
     lines += [f"- {s.notes()}" for s in systems]
     return lines
@@ -424,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=int, default=30)
     ap.add_argument("--hot", type=int, default=10000, help="account ids both masters update")
     ap.add_argument("--rate", type=int, default=200, help="tps per master of the throttled run")
-    ap.add_argument("--only", default="pgcascade,pglogical")
+    ap.add_argument("--only", default="pgcascade,pgcascade_logical,pglogical")
     ap.add_argument("--report", type=Path)
     args = ap.parse_args(argv)
     wanted = args.only.split(",")
@@ -452,9 +480,8 @@ def main(argv: list[str] | None = None) -> int:
         new_cluster("a", basedir=base, fast_unsafe=False, settings=settings),
         new_cluster("b", basedir=base, fast_unsafe=False, settings=settings),
     )
-    systems: list[System] = [
-        c() for k, c in (("pgcascade", PgCascade), ("pglogical", PgLogical)) if k in wanted
-    ]
+    kinds = (("pgcascade", PgCascade), ("pgcascade_logical", PgCascadeLogical), ("pglogical", PgLogical))
+    systems: list[System] = [c() for k, c in kinds if k in wanted]
     results: dict[str, dict[str, RunFigures]] = {}
     try:
         for c in clusters:
@@ -490,9 +517,11 @@ def main(argv: list[str] | None = None) -> int:
     ]
     lines = report(results, systems, args, header)
     print("\n".join(lines))
-    if args.report:
+    if args.report:  # newest first, under the file's title and introduction
         old = args.report.read_text() if args.report.exists() else ""
-        args.report.write_text("\n".join(lines) + "\n\n" + old)
+        head, sep, rest = old.partition("\n### ")
+        run_text = "\n".join(lines) + "\n\n"
+        args.report.write_text(f"{head}\n{run_text}### {rest}" if sep else run_text + old)
     return 0
 
 

@@ -296,7 +296,9 @@ class CopyProcess(Daemon):
                 continue
             since = applied.get(other.queue_name)
             if since is not None:
-                with pgconn.connect(nodes.provider_location(self.sub, other), autocommit=True) as prov:
+                with pgconn.connect(
+                    nodes.provider_location(self.sub, other), autocommit=True, connect_timeout=10
+                ) as prov:
                     consumer = copy_consumer_name(other.consumer, self.table)
                     with contextlib.suppress(psycopg.errors.NoDataFound, psycopg.errors.RaiseException):
                         q.unregister_consumer(prov, other.queue_name, consumer)

@@ -281,7 +281,7 @@ def catch_up_peer_table(
     over; with no tick, the worker takes it at once."""
     state = states.CATCHING_UP if tick is not None else states.OK
     conn.execute(
-        "insert into pgcascade.subscriber_table as t (queue_name, table_name, dest_table, key_columns, state,"
+        "insert into pgcascade.subscriber_table (queue_name, table_name, dest_table, key_columns, state,"
         " local_writes, copy_tick, copy_snapshot) values (%s, %s, %s, %s, %s, true, %s, %s)"
         " on conflict (queue_name, table_name) do update set state = excluded.state,"
         " copy_tick = excluded.copy_tick, copy_snapshot = excluded.copy_snapshot, applied_tick = null",
