@@ -596,6 +596,11 @@ def test_a_master_that_joins_copies_a_table_from_a_peer_while_the_others_write(
         time.sleep(1)
         b = two_way.add_master("b", make_db("b"))
         make_tables(b, "accounts")
+        b.cli("add-table", "accounts")  # too early: joined so, it would never get a's rows
+        r = b.cli("add-peer", "a", "--location", a.db.connstr, check=False)
+        assert r.returncode == 2 and "public.accounts empty here and holding rows on master a" in r.stderr
+        assert r.stderr.count("\n") == 1, r.stderr
+        b.cli("remove-table", "accounts")
         for m in (a, c):
             m.cli("add-peer", "b", "--location", b.db.connstr)
             b.cli("add-peer", m.name, "--location", m.db.connstr)

@@ -81,6 +81,7 @@ def add_peer(
                 nodes.set_location(conn, queue, peer, location)
                 nodes.set_conflict_policy(conn, queue, str(policy))
             return False
+        refuse_unequal_tables(conn, prov, queue, peer, set_tables.set_tables(conn, own_queue))
         with prov.transaction():
             q.register_consumer(prov, queue, me.node_name)
             position = q.consumer_tick(prov, queue, me.node_name)
@@ -105,6 +106,21 @@ def add_peer(
         for table, keys in ours.items():
             set_tables.make_two_way(conn, table, keys)
     return True
+
+
+def refuse_unequal_tables(
+    conn: psycopg.Connection, prov: psycopg.Connection, peer_queue: str, peer: str, ours: dict[str, list[str]]
+) -> None:
+    """add-peer subscribes this master's tables as holding the peer's rows: a table empty here
+    that the peer holds with rows would stay without them.  Such a table is copied by add-table
+    once the masters are joined."""
+    theirs = set_tables.set_tables(prov, peer_queue)
+    lacking = [t for t in ours if t in theirs and not has_rows(conn, t) and has_rows(prov, t)]
+    if lacking:
+        raise UserError(
+            f"{', '.join(lacking)} empty here and holding rows on master {peer}: remove-table it here,"
+            " add the peer, then add-table it again (the worker copies it from a peer)"
+        )
 
 
 def tables_added(conn: psycopg.Connection, own_queue: str, added: list[str]) -> dict[str, str]:
