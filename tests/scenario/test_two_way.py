@@ -625,6 +625,7 @@ def test_a_master_that_joins_copies_a_table_from_a_peer_while_the_others_write(
             "select queue_name, state from pgcascade.subscriber_table order by 1"
         ).fetchall()
     assert states == [("tw_a", "ok"), ("tw_c", "ok")], states
+    assert "public.accounts  key: id  (from a: ok, from c: ok)" in b.cli("tables").stdout
     for m in two_way.masters.values():
         with m.db.connect() as conn:
             found = conn.execute(

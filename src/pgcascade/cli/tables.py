@@ -170,8 +170,14 @@ def tables_cmd(ctx: Context, as_json: bool) -> None:
             echo_json(report.tables_report(conn, node))
             return
         if node.role.captures_changes:
+            # a two-way master: each table's state under each peer (ok, or copying from one)
+            from_peers = {
+                p.provider_node: {t.table_name: t.state for t in subscriber.tables(conn, p.queue_name)}
+                for p in nodes.peers(conn, ctx.queue())
+            }
             for t, keys in set_tables.set_tables(conn, ctx.queue()).items():
-                click.echo(f"{t}  key: {', '.join(keys)}")
+                states = ", ".join(f"from {peer}: {got.get(t, '-')}" for peer, got in from_peers.items())
+                click.echo(f"{t}  key: {', '.join(keys)}" + (f"  ({states})" if states else ""))
             return
         for st in subscriber.tables(conn, ctx.queue()):
             dest = f" -> {st.dest_table}" if st.dest_table != st.table_name else ""
