@@ -32,8 +32,12 @@ ORIGIN_PREFIX = "pgcascade_"
 COPY_ORIGIN_PREFIX = "pgcascade."
 
 
-def ensure_origin(conn: psycopg.Connection, peer: str, name: str | None = None) -> None:
-    name = name or ORIGIN_PREFIX + peer
+def peer_origin(peer: str) -> str:
+    """The replication origin a worker's apply of `peer` runs under."""
+    return ORIGIN_PREFIX + peer
+
+
+def ensure_origin(conn: psycopg.Connection, name: str) -> None:
     conn.execute(
         "select pg_replication_origin_create(%s)"
         " where not exists (select 1 from pg_replication_origin where roname = %s)",
@@ -41,9 +45,9 @@ def ensure_origin(conn: psycopg.Connection, peer: str, name: str | None = None) 
     )
 
 
-def use_origin(conn: psycopg.Connection, peer: str, name: str | None = None) -> None:
-    """This session's changes are peer's (for the rest of the session)."""
-    conn.execute("select pg_replication_origin_session_setup(%s)", (name or ORIGIN_PREFIX + peer,))
+def use_origin(conn: psycopg.Connection, name: str) -> None:
+    """This session's changes are the origin's peer's (for the rest of the session)."""
+    conn.execute("select pg_replication_origin_session_setup(%s)", (name,))
 
 
 def copy_origin(peer: str, queue: str, table: str) -> str:

@@ -81,13 +81,13 @@ def add_peer(
                 nodes.set_location(conn, queue, peer, location)
                 nodes.set_conflict_policy(conn, queue, str(policy))
             return False
-        refuse_unequal_tables(conn, prov, queue, peer, set_tables.set_tables(conn, own_queue))
+        ours = set_tables.set_tables(conn, own_queue)
+        refuse_unequal_tables(conn, prov, queue, peer, ours)
         with prov.transaction():
             q.register_consumer(prov, queue, me.node_name)
             position = q.consumer_tick(prov, queue, me.node_name)
             assert position is not None
             nodes.set_location(prov, queue, me.node_name, own_location)
-    ours = set_tables.set_tables(conn, own_queue)
     with conn.transaction():
         nodes.insert_node(
             conn,
@@ -102,7 +102,7 @@ def add_peer(
         nodes.set_location(conn, queue, peer, location)
         nodes.set_location(conn, queue, me.node_name, own_location)
         subscriber.subscribe_peer_tables(conn, queue, ours)
-        logical.ensure_origin(conn, peer)
+        logical.ensure_origin(conn, logical.peer_origin(peer))
         for table, keys in ours.items():
             set_tables.make_two_way(conn, table, keys)
     return True
@@ -114,8 +114,7 @@ def refuse_unequal_tables(
     """add-peer subscribes this master's tables as holding the peer's rows: a table empty here
     that the peer holds with rows would stay without them.  Such a table is copied by add-table
     once the masters are joined."""
-    theirs = set_tables.set_tables(prov, peer_queue)
-    lacking = [t for t in ours if t in theirs and not has_rows(conn, t) and has_rows(prov, t)]
+    lacking = held_with_rows(prov, peer_queue, [t for t in ours if not has_rows(conn, t)])
     if lacking:
         raise UserError(
             f"{', '.join(lacking)} empty here and holding rows on master {peer}: remove-table it here,"
@@ -149,6 +148,12 @@ def has_rows(conn: psycopg.Connection, table: str) -> bool:
     return bool(scalar(conn, sql.SQL("select exists (select 1 from {})").format(sql.SQL(table))))
 
 
+def held_with_rows(prov: psycopg.Connection, peer_queue: str, tables: list[str]) -> list[str]:
+    """Those of `tables` that the master at `prov` has in its set (`peer_queue`) with rows."""
+    theirs = set_tables.set_tables(prov, peer_queue)
+    return [t for t in tables if t in theirs and has_rows(prov, t)]
+
+
 def copy_sources(conn: psycopg.Connection, peer_nodes: list[nodes.Node], empty: list[str]) -> dict[str, str]:
     """For each table empty here: the first peer whose set holds it with rows."""
     sources: dict[str, str] = {}
@@ -157,11 +162,8 @@ def copy_sources(conn: psycopg.Connection, peer_nodes: list[nodes.Node], empty: 
         if not wanted:
             break
         with pgconn.connect(nodes.provider_location(conn, p), autocommit=True, connect_timeout=10) as prov:
-            theirs = set_tables.set_tables(prov, p.queue_name)
-            for t in wanted:
-                if t in theirs and has_rows(prov, t):
-                    assert p.provider_node is not None
-                    sources[t] = p.provider_node
+            assert p.provider_node is not None
+            sources.update(dict.fromkeys(held_with_rows(prov, p.queue_name, wanted), p.provider_node))
     return sources
 
 

@@ -119,8 +119,8 @@ class CopyProcess(Daemon):
                 assert self.node.peer_of is not None and self.node.provider_node is not None
                 if logical.is_logical(self.sub, self.node.peer_of):  # as the worker's apply does
                     self.origin = logical.copy_origin(self.node.provider_node, self.queue, self.table)
-                    logical.ensure_origin(self.sub, self.node.provider_node, self.origin)
-                    logical.use_origin(self.sub, self.node.provider_node, self.origin)
+                    logical.ensure_origin(self.sub, self.origin)
+                    logical.use_origin(self.sub, self.origin)
         if self.prov is None or self.prov.closed:
             self.prov = pgconn.connect(self.prov_location, autocommit=True, connect_timeout=10)
             self.prov_logical = self.node.is_peer and logical.is_logical(self.prov, self.queue)

@@ -377,7 +377,7 @@ class Worker(Daemon):
         if batch is not None and self.origin_session is not sub:
             assert node.peer_of is not None
             if walcapture.is_logical(sub, node.peer_of):
-                walcapture.use_origin(sub, batch.peer)
+                walcapture.use_origin(sub, walcapture.peer_origin(batch.peer))
             self.origin_session = sub
         return batch
 
