@@ -79,6 +79,9 @@ declare
     -- sql_standard style would reach the subscriber as another value (or none)
     fn_settings text := ' set datestyle = ''ISO, MDY'' set intervalstyle = postgres'
                         ' set extra_float_digits = 3 set bytea_output = hex';
+    -- they run in the application's transactions, whose role may own nothing and have no
+    -- rights on schema pgcascade: as their owner, with a search_path no caller can change
+    fn_definer text := ' security definer set search_path = pg_catalog, pg_temp';
 begin
     q := pgcascade.find_queue(i_queue);
     if i_format not in ('json', 'sql') then
@@ -99,7 +102,9 @@ begin
     -- peers skip such events (no echo), leaves under this master apply them
     q_insert := format('insert into pgcascade.%I (ev_id, ev_time, ev_part, ev_type, ev_data, ev_extra1, ev_rare)'
                        ' select nextval(%L::regclass), now(), %s, %%s, %%s, v_table, v_rare from %%s',
-                       pgcascade.queue_part_name(q.queue_id, q.queue_cur_table), q.queue_event_seq::text,
+                       pgcascade.queue_part_name(q.queue_id, q.queue_cur_table),
+                       (select format('%I.%I', n.nspname, c.relname) from pg_class c
+                          join pg_namespace n on n.oid = c.relnamespace where c.oid = q.queue_event_seq),
                        q.queue_id * 16 + q.queue_cur_table);
     if i_format = 'json' then
         img_new := pgcascade.json_image_expr('n', i_table);  -- n.* stays the row even if a column is named n
@@ -116,8 +121,8 @@ begin
         -- a statement that changes rows fails; one that changes none passes
         msg := format('queue "%s" does not accept events: change to %%.%% refused', replace(i_queue, '%', '%%'));
         foreach op in array array['ins:pgcascade_new', 'upd:pgcascade_new', 'del:pgcascade_old'] loop
-            execute format('create or replace function pgcascade.%I() returns trigger language plpgsql as %L',
-                fn || '_' || split_part(op, ':', 1), format($f$
+            execute format('create or replace function pgcascade.%I() returns trigger language plpgsql%s as %L',
+                fn || '_' || split_part(op, ':', 1), fn_definer, format($f$
 begin
     if exists (select 1 from %s) then
         raise exception %L, quote_ident(TG_TABLE_SCHEMA), quote_ident(TG_TABLE_NAME) using errcode = '55000';
@@ -135,23 +140,28 @@ begin
     return null;
 end $f$;
         execute format('create or replace function pgcascade.%I() returns trigger language plpgsql%s as %L',
-            fn || '_ins', fn_settings, format(body, format(q_insert, '''I''', img_new, 'pgcascade_new n')));
+            fn || '_ins', fn_definer || fn_settings, format(body, format(q_insert, '''I''', img_new, 'pgcascade_new n')));
         execute format('create or replace function pgcascade.%I() returns trigger language plpgsql%s as %L',
-            fn || '_del', fn_settings, format(body, format(q_insert, '''D''', img_old, 'pgcascade_old o')));
+            fn || '_del', fn_definer || fn_settings, format(body, format(q_insert, '''D''', img_old, 'pgcascade_old o')));
         execute format('create or replace function pgcascade.%I() returns trigger language plpgsql%s as %L',
-            fn || '_upd', fn_settings, format(body, format(q_insert,
+            fn || '_upd', fn_definer || fn_settings, format(body, format(q_insert,
                 format('case when o.%I is null then ''I'' when n.%I is null then ''D'' else ''U'' end', i_keys[1], i_keys[1]),
                 format('case when o.%I is null then %s when n.%I is null then %s else %s end',
                        i_keys[1], img_new, i_keys[1], img_old, img_upd),
                 format('(pgcascade_new n full join pgcascade_old o on %s)', join_cond))));
     end if;
-    execute format('create or replace function pgcascade.%I() returns trigger language plpgsql as %L',
-        fn || '_trunc', format($f$
+    execute format('create or replace function pgcascade.%I() returns trigger language plpgsql%s as %L',
+        fn || '_trunc', fn_definer, format($f$
 begin
     perform pgcascade.insert_event(%L, 'R', null, format('%%I.%%I', TG_TABLE_SCHEMA, TG_TABLE_NAME), null, null,
                                    nullif(current_setting('pgcascade.origin', true), ''));
     return null;
 end $f$, i_queue));
+    -- a trigger function's EXECUTE right is checked when a trigger is created, not when it
+    -- fires: nobody but their owner may attach them to a table of theirs and write events
+    foreach op in array array['ins', 'upd', 'del', 'trunc'] loop
+        execute format('revoke all on function pgcascade.%I() from public', fn || '_' || op);
+    end loop;
 end $$;
 
 -- pgcascade.capture_enable(queue, table, key_columns, format) -> void.
@@ -225,8 +235,10 @@ end $$;
 -- pgcascade.protect_replicated(): BEFORE trigger on a subscriber's replicated tables.
 -- Ordinary sessions are refused; the replay runs with session_replication_role = replica,
 -- where such triggers do not fire.
+-- As its owner: an application role with no rights on schema pgcascade gets this refusal,
+-- not "permission denied for schema".
 create or replace function pgcascade.protect_replicated() returns trigger
-language plpgsql as $$
+language plpgsql security definer set search_path = pg_catalog, pg_temp as $$
 begin
     raise exception 'table %.% is replicated by pgcascade: local writes are refused on a subscriber',
         quote_ident(TG_TABLE_SCHEMA), quote_ident(TG_TABLE_NAME)

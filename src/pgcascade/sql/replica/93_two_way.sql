@@ -42,7 +42,7 @@ $$;
 -- set) writes its own.  (Masters made two-way before migration 11 run it AFTER UPDATE too, for
 -- key changes, until two_way_table makes them again: record_key_tombstone does that now.)
 create or replace function pgcascade.record_tombstones() returns trigger
-language plpgsql as $$
+language plpgsql security definer set search_path = pg_catalog, pg_temp as $$
 declare
     v_key_old text := pgcascade.key_array_expr('o', TG_ARGV::text[]);
 begin
@@ -65,7 +65,7 @@ end $$;
 -- pgcascade.record_key_tombstone(): AFTER UPDATE OF <key columns> row trigger, only when the key
 -- changed (its WHEN clause): the old key is gone, as by a delete.  Ordinary updates never fire it.
 create or replace function pgcascade.record_key_tombstone() returns trigger
-language plpgsql as $$
+language plpgsql security definer set search_path = pg_catalog, pg_temp as $$
 declare
     v_key jsonb;
 begin
