@@ -272,10 +272,15 @@ TEXT_SETTINGS = (
 
 def table_checksum(db: Database, table: str) -> tuple[int, str | None]:
     """(rows, md5 of every row's text in key order): computed by PostgreSQL, not by pgcascade."""
+    return query_checksum(db, f"select * from {table}")
+
+
+def query_checksum(db: Database, query: str) -> tuple[int, str | None]:
+    """table_checksum of the rows a query returns (say, the root's rows a filter passes)."""
     with db.connect() as conn:
         conn.execute(TEXT_SETTINGS)
         return conn.execute(
-            f"select count(*), md5(string_agg(t::text, E'\\n' order by t::text)) from {table} t"
+            f"select count(*), md5(string_agg(t::text, E'\\n' order by t::text)) from ({query}) t"
         ).fetchone()
 
 

@@ -36,6 +36,8 @@ def test_json_views_and_the_lag_check_follow_a_paused_and_resumed_leaf(replica):
             "table": "public.t",
             "dest": "public.t",
             "key": ["id"],
+            "where": None,
+            "columns": None,
             "state": "ok",
             "phase": "ok",
             "tick": None,

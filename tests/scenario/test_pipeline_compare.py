@@ -13,6 +13,7 @@ import time
 
 import psycopg
 import pytest
+from conftest import query_checksum as checksum
 from conftest import table_checksum
 from test_replication import PGBENCH_TABLES, pgbench, pgbench_init
 
@@ -359,3 +360,86 @@ def test_diff_keys_classifies_each_key():
     prov = {("1",): 10, ("2",): 20, ("3",): 30}
     sub = {("2",): 20, ("3",): 31, ("4",): 40}
     assert sorted(diff_keys(prov, sub)) == [(("1",), "missing"), (("3",), "different"), (("4",), "extra")]
+
+
+# --- a leaf that holds part of a table (add-table --where --columns) ---------------------------------
+
+ORDERS = "public.orders"
+EU_COLUMNS = "select id, region, amount from orders where region = 'eu'"
+
+
+def spark_copy_in_process(replica, table: str) -> None:
+    """The in-copy step of `table` as its copy process runs it, here, on the module's Spark (a
+    copy process would start a Spark of its own); the worker's copy process catches up."""
+    from pgcascade.pipeline.copy import SparkCopier
+    from pgcascade.replica.copy import CopyProcess
+    from pgcascade.replica.state import Phase
+    from pgcascade.replica.tables import get_table
+
+    cfg = load_config(replica.leaf_ini)
+    with replica.leaf.connect() as conn:  # the worker's step: NULL -> in-copy
+        conn.execute(
+            "update pgcascade.subscriber_table set state = 'in-copy' where table_name = %s", (table,)
+        )
+        proc = CopyProcess(cfg, table, bulk=SparkCopier())
+        try:
+            for _ in range(5):
+                proc.work()
+                if get_table(conn, cfg.queue_name, table).state.phase is not Phase.IN_COPY:
+                    break
+        finally:
+            proc.drop_connections()
+        assert get_table(conn, cfg.queue_name, table).state.phase is Phase.CATCHING_UP
+        assert conn.execute(
+            "select count(*) > 1 and bool_and(done) from pgcascade.copy_range where table_name = %s", (table,)
+        ).fetchone()[0], "not copied in Spark ranges"
+
+
+def test_filtered_leaf_spark_copy_compare_and_repair(replica, spark):
+    r = replica
+    with r.root.connect() as conn:
+        conn.execute(
+            "create table orders (id int primary key, region text not null, amount numeric, secret text)"
+        )
+        conn.execute(
+            "insert into orders select i, (array['eu', 'us', 'asia'])[1 + i % 3], i * 1.5, 'pii ' || i"
+            " from generate_series(1, 3000) i"
+        )
+        conn.execute("analyze orders")
+    r.ini(
+        "leaf",
+        r.leaf,
+        spark_copy_min_rows=1,
+        spark_copy_streams=1,
+        spark_copy_range_rows=400,
+        spark_master="local[2]",
+    )
+    r.setup()
+    r.cli("root", "add-table", ORDERS)
+    r.cli(
+        "leaf", "add-table", ORDERS, "--where", "region = 'eu'", "--columns", "id,region,amount", "--create"
+    )
+    spark_copy_in_process(r, ORDERS)
+    r.start_ticker()
+    r.start_worker()
+    with r.root.connect() as conn:
+        conn.execute("update orders set region = 'us' where region = 'eu' and id % 5 = 0")
+        conn.execute("update orders set region = 'eu', amount = -1 where region = 'asia' and id % 4 = 0")
+    r.wait_sync()
+    assert checksum(r.leaf, "select * from orders") == checksum(r.root, EU_COLUMNS)
+    assert counts(compare(r, spark, compare_segment_rows=500)) == {ORDERS: (0, 0, 0)}
+    leaf_exec(
+        r,
+        "delete from orders where id = 3",  # missing
+        "insert into orders values (4, 'us', 1)",  # extra: the root has it, but not in the filter
+        "update orders set amount = 0 where id = 6",  # different
+    )
+    cfg = load_config(r.leaf_ini)
+    spool = KeySpool()
+    with Comparison(cfg, []) as cmp:
+        results = cmp.run(spark, spool.write)
+        specs = cmp.ctx.specs
+    assert counts({x.spec.table: x for x in results}) == {ORDERS: (1, 1, 1)}
+    apply_fix(cfg.db, cfg.queue_name, specs, spool, timeout=10)
+    assert checksum(r.leaf, "select * from orders") == checksum(r.root, EU_COLUMNS)
+    assert counts(compare(r, spark)) == {ORDERS: (0, 0, 0)}

@@ -94,3 +94,17 @@ def test_parallel_apply_groups_joined_tables_and_spreads_the_heaviest_first():
     weight = {"a": 10.0, "c": 5.0, "d": 0.0, "b": 12.0, "e": 4.0}
     assert spread(groups, weight, 2) == [["a", "c", "d"], ["b", "e"]]
     assert spread(groups, weight, 8) == [["a", "c", "d"], ["b"], ["e"]]
+
+
+def test_column_lists_and_embedded_filters():
+    from pgcascade.core.errors import UserError
+    from pgcascade.replica import filters
+
+    assert filters.parse_columns(" id, region ,amount") == ["id", "region", "amount"]
+    for bad in ("id,,x", "id,id", ""):
+        with pytest.raises(UserError):
+            filters.parse_columns(bad)
+    # a LIKE pattern's % must not become a placeholder where the statement has parameters
+    plain = filters.embedded("(r ~~ 'e%'::text)").as_string(None)
+    assert plain == "((r ~~ 'e%'::text))"
+    assert filters.embedded("(r ~~ 'e%'::text)", with_params=True).as_string(None) == "((r ~~ 'e%%'::text))"

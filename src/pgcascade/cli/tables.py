@@ -16,6 +16,7 @@ from pgcascade.core.errors import UserError
 from pgcascade.monitor import report
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
+from pgcascade.replica import filters
 from pgcascade.replica import tables as subscriber
 from pgcascade.replica.conflicts import ConflictPolicy
 
@@ -65,6 +66,8 @@ def echo_each(verb: str, names: list[str]) -> None:
 @click.option(
     "--merge-all", is_flag=True, help="Merge-leaf: add the tables for every partition merging into its queue."
 )
+@click.option("--where", "where", help="Leaf: hold only the rows for which this SQL predicate is true.")
+@click.option("--columns", "columns", help="Leaf: apply, copy and compare only these columns (COL[,COL...]).")
 @click.option("--wait-sync", is_flag=True, help="Subscriber: return once the tables are copied and in sync.")
 @click.option("--no-wait", is_flag=True, help="Subscriber: do not wait for tables just added on the root.")
 @click.option(
@@ -86,11 +89,14 @@ def add_table(
     wait_sync: bool,
     no_wait: bool,
     timeout: float,
+    where: str | None,
+    columns: str | None,
     **opts: object,
 ) -> None:
     """Replicate tables: on the root, capture them; on a subscriber, subscribe to them."""
     if not tables and not all_tables:
         raise UserError("add-table needs table names (or --all)")
+    opts["subset"] = filters.Subset(where, filters.parse_columns(columns) if columns is not None else None)
     if find_copy_node:
         if opts["copy_node"]:
             raise UserError("--copy-node and --find-copy-node exclude each other")
@@ -98,6 +104,10 @@ def add_table(
     queue = ctx.queue()
     with ctx.this_node() as (conn, node):
         if node.role.captures_changes:
+            if where is not None or columns is not None:
+                raise UserError(
+                    "--where/--columns are set on a leaf, for the rows it holds: the root captures whole rows"
+                )
             keys = [k.strip() for k in key.split(",")] if key else None
             parsed = ConflictPolicy.parse(policy) if policy else None
             added = set_tables.add_tables(conn, queue, list(tables), all_tables, keys, event_format)
@@ -181,7 +191,9 @@ def tables_cmd(ctx: Context, as_json: bool) -> None:
             return
         for st in subscriber.tables(conn, ctx.queue()):
             dest = f" -> {st.dest_table}" if st.dest_table != st.table_name else ""
-            click.echo(f"{st.table_name}{dest}  {st.state}")
+            subset = f"  where {st.row_filter}" if st.row_filter else ""
+            subset += f"  columns {', '.join(st.column_list)}" if st.column_list else ""
+            click.echo(f"{st.table_name}{dest}  {st.state}{subset}")
 
 
 @click.command("missing")

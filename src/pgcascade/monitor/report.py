@@ -112,6 +112,8 @@ def table_rows(
             "table": t.table_name,
             "dest": t.dest_table,
             "key": t.key_columns,
+            "where": t.row_filter,
+            "columns": t.column_list,
             "state": str(t.state),
             "phase": t.state.phase.value,
             "tick": t.state.tick,

@@ -320,7 +320,9 @@ class Comparison:
             pgconn.connect(self.sync.sub_dsn, autocommit=True) as sub,
         ):
             specs = tuple(
-                sg.table_spec(i, prov, sub, t.table_name, t.dest_table, t.key_columns)
+                sg.table_spec(
+                    i, prov, sub, t.table_name, t.dest_table, t.key_columns, t.row_filter, t.column_list
+                )
                 for i, t in enumerate(self.tables)
             )
         self.ctx = TaskContext(

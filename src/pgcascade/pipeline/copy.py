@@ -270,7 +270,10 @@ class SparkCopy:
 
     def spec(self, prov: psycopg.Connection) -> sg.TableSpec:
         dest_cols = {c.name for c in catalog.columns(self.sub, self.st.dest_table) if not c.generated}
-        spec = sg.table_spec(0, prov, self.sub, self.table, self.st.dest_table, self.st.key_columns)
+        st = self.st
+        spec = sg.table_spec(
+            0, prov, self.sub, self.table, st.dest_table, st.key_columns, st.row_filter, st.column_list
+        )
         keep = [(c, t) for c, t in zip(spec.columns, spec.types, strict=True) if c in dest_cols]
         return dataclasses.replace(spec, columns=tuple(c for c, _ in keep), types=tuple(t for _, t in keep))
 

@@ -31,6 +31,7 @@ from pgcascade.core import catalog
 from pgcascade.core.copystream import OUTPUT_SETTINGS
 from pgcascade.core.errors import UserError
 from pgcascade.core.pgconn import one, scalar
+from pgcascade.replica import filters
 
 # the same text for the same value on both sides, whatever each server's defaults
 SESSION_SETTINGS = OUTPUT_SETTINGS
@@ -49,18 +50,48 @@ class TableSpec:
     types: tuple[str, ...]
     partitioned_prov: bool = False
     partitioned_sub: bool = False
+    row_filter: str | None = None  # the subscriber holds the provider's rows that pass it
 
-    def relation(self, side: str) -> sql.Composable:
+    def base(self, side: str) -> sql.Composable:
+        """The side's table: with its partitions, or ONLY it (its children are not replicated)."""
         part = self.partitioned_prov if side == "prov" else self.partitioned_sub
         name = sql.SQL(self.table if side == "prov" else self.dest)
         return name if part else sql.SQL("only {}").format(name)
 
+    def relation(self, side: str, with_params: bool = False) -> sql.Composable:
+        """The rows compared on a side: the provider's that pass the subscriber's filter, every
+        row of the subscriber's (one that fails it is extra).  `with_params`: for a statement
+        run with parameters (filters.embedded)."""
+        if side != "prov" or self.row_filter is None:
+            return self.base(side)
+        return sql.SQL("(select * from {} where {}) pgcascade_rows").format(
+            self.base(side), filters.embedded(self.row_filter, with_params)
+        )
+
+    def filter_clause(self, side: str) -> sql.Composable:
+        """`and FILTER` for the provider's side of a filtered table, else nothing."""
+        if side != "prov" or self.row_filter is None:
+            return sql.SQL("")
+        return sql.SQL(" and {}").format(filters.embedded(self.row_filter))
+
 
 def table_spec(
-    index: int, prov: psycopg.Connection, sub: psycopg.Connection, table: str, dest: str, keys: list[str]
+    index: int,
+    prov: psycopg.Connection,
+    sub: psycopg.Connection,
+    table: str,
+    dest: str,
+    keys: list[str],
+    row_filter: str | None = None,
+    column_list: list[str] | None = None,
 ) -> TableSpec:
-    """The columns both sides have (generated ones excepted); a column missing on one side is an error."""
-    pcols = [c for c in catalog.columns(prov, table) if not c.generated]
+    """The columns both sides have (generated ones excepted; of the column list, if any); a
+    column missing on one side is an error."""
+    pcols = [
+        c
+        for c in catalog.columns(prov, table)
+        if not c.generated and (column_list is None or c.name in column_list)
+    ]
     scols = {c.name: c for c in catalog.columns(sub, dest) if not c.generated}
     missing = [c.name for c in pcols if c.name not in scols]
     if missing:
@@ -76,6 +107,7 @@ def table_spec(
         types=tuple(c.type for c in pcols),
         partitioned_prov=catalog.is_partitioned(prov, table),
         partitioned_sub=catalog.is_partitioned(sub, dest),
+        row_filter=row_filter,
     )
 
 
@@ -209,11 +241,11 @@ def bucket_checksums_sql(spec: TableSpec, side: str, lo, hi, b: Buckets) -> sql.
 def row_hashes_sql(spec: TableSpec, side: str, lo, hi, b: Buckets) -> sql.Composed:
     """(key, row hash) of the rows of a key range in the buckets given as %s (an int8 array).
     Integer keys: one index range scan per bucket; hashed keys: the range again, filtered."""
-    rel, rng = spec.relation(side), key_range(spec, lo, hi)
+    rel, rng = spec.relation(side, with_params=True), key_range(spec, lo, hi)
     if b.width is not None:
         k = sql.Identifier(spec.keys[0])
         return sql.SQL(
-            "select {}, {} from unnest(%s::int8[]) w(pgcascade_bucket) join {} t"
+            "select {}, {} from unnest(%s::int8[]) w(pgcascade_bucket) join {}"
             " on {} >= {} + pgcascade_bucket * {} and {} < {} + (pgcascade_bucket + 1) * {} where {}"
         ).format(
             key_array(spec), row_hash(spec), rel, k, sql.Literal(b.base), sql.Literal(b.width),
@@ -238,7 +270,7 @@ def fetch_rows_sql(spec: TableSpec, side: str) -> sql.Composed:
         sql.SQL(", ").join(sql.SQL("{}::text").format(sql.Identifier(c)) for c in spec.columns)
     )
     return sql.SQL("select {}, {} from {} where {} in ({})").format(
-        key_array(spec), values, spec.relation(side), _key_tuple(spec), match
+        key_array(spec), values, spec.relation(side, with_params=True), _key_tuple(spec), match
     )
 
 
@@ -264,10 +296,11 @@ def split_points(
     keys = [
         r[0]
         for r in conn.execute(
-            sql.SQL("select {} from {} tablesample system ({}) order by {}").format(
+            sql.SQL("select {} from {} tablesample system ({}) where true{} order by {}").format(
                 key_array(spec),
-                spec.relation("prov"),
+                spec.base("prov"),
                 sql.Literal(pct),
+                spec.filter_clause("prov"),
                 sql.SQL(", ").join(map(sql.Identifier, spec.keys)),
             )
         )

@@ -2,15 +2,16 @@
 
 Python never loops over events.  A batch travels as one COPY stream from the provider's queue
 (`batch_event_sql`) into `pg_temp.pgcascade_stage` on the subscriber; then, per table, one
-statement reduces the staged events to their net effect per key (the last event of each key
-wins) and applies it: a DELETE for keys whose last event is D, and one INSERT ... ON CONFLICT
-DO UPDATE for the rest.  That is correct because a batch is applied in one transaction, so
-only its end state is ever visible, and because each key's events are ordered by ev_id (a
-later change of a row always has a later event id: the row lock orders them).
+statement (applysql.py) reduces the staged events to their net effect per key (the last event
+of each key wins) and applies it: a DELETE for keys whose last event is D (or, with a row
+filter, whose last row fails it), and an upsert of the rest.  That is correct because a batch
+is applied in one transaction, so only its end state is ever visible, and because each key's
+events are ordered by ev_id (a later change of a row always has a later event id: the row lock
+orders them).
 
 Where that is unsafe the table's events go through `pgcascade.apply_rows` one by one, in
-ev_id order: the seed's partial-SQL events, a destination without a unique index on the key,
-or a set-based statement that broke another unique constraint (rolled back to a savepoint).
+ev_id order: the seed's partial-SQL events, a key unique on neither side, or a set-based
+statement that broke another unique constraint (rolled back to a savepoint).
 
 Barrier events split a batch into segments applied in order: TRUNCATE (R) - consecutive
 ones in one TRUNCATE statement, as the provider's cascade did - and EXECUTE (DDL). The
@@ -33,6 +34,7 @@ from pgcascade.core.pgconn import scalar
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
 from pgcascade.pgq.queue import BatchInfo
+from pgcascade.replica import applysql
 from pgcascade.replica.conflicts import DEFAULT_POLICY
 from pgcascade.replica.tables import SubscriberTable, peer_policies
 
@@ -147,12 +149,15 @@ class TableApplier:
     table: str  # the provider's name, as in ev_extra1
     dest: str
     keys: list[str]
-    cols: list[str]  # columns both sides have (not generated on the subscriber)
+    cols: list[str]  # columns both sides have (not generated on the subscriber), of its --columns
     set_based: bool
     set_sql: bytes | None = field(default=None, repr=False)  # composed once: composing costs ~1 ms
     event_format: str = "json"
     dest_names: frozenset[str] = frozenset()  # every column of dest when cols was computed
     json_nulls: bool = False  # dest has json/jsonb columns: read events with pgcascade.event_row
+    row_filter: str | None = None  # add-table --where (filters.py)
+    column_list: list[str] | None = None  # add-table --columns
+    unique_at_provider: bool = False  # the provider's key is unique: update-then-insert is exact
 
     @classmethod
     def build(
@@ -161,91 +166,42 @@ class TableApplier:
         dest_cols = catalog.columns(sub, st.dest_table)
         if catalog.table_exists(prov, st.table_name):
             prov_names = {c.name for c in catalog.columns(prov, st.table_name)}
+            unique = catalog.has_unique_index_on(prov, st.table_name, st.key_columns)
         else:  # a queue-only branch carries the events of a table it does not have itself
-            prov_names = {c.name for c in dest_cols}
-        cols = [c.name for c in dest_cols if c.name in prov_names and not c.generated]
-        identity = any(c.identity for c in dest_cols if c.name in cols)
-        set_based = event_format == "json" and catalog.has_unique_index_on(sub, st.dest_table, st.key_columns)
-        a = cls(st.table_name, st.dest_table, st.key_columns, cols, set_based)
-        a.event_format, a.dest_names = event_format, frozenset(c.name for c in dest_cols)
-        a.json_nulls = catalog.has_json_columns(sub, st.dest_table)
-        if set_based:
-            a.set_sql = a._set_based_sql(identity).as_bytes(sub)
+            prov_names, unique = {c.name for c in dest_cols}, False
+        cols = st.applied_columns([c.name for c in dest_cols if c.name in prov_names and not c.generated])
+        a = cls(st.table_name, st.dest_table, st.key_columns, cols, False, event_format=event_format)
+        a.row_filter, a.column_list, a.unique_at_provider = st.row_filter, st.column_list, unique
+        a.dest_names = frozenset(c.name for c in dest_cols)
+        a.compose(sub, dest_cols)
         return a
+
+    def compose(self, sub: psycopg.Connection, dest_cols: list[catalog.Column]) -> None:
+        """Choose the set-based statement's shape (applysql.py) for the destination as it is, or none."""
+        on_conflict = catalog.has_unique_index_on(sub, self.dest, self.keys)
+        self.set_based = self.event_format == "json" and (on_conflict or self.unique_at_provider)
+        self.json_nulls = catalog.has_json_columns(sub, self.dest)
+        self.set_sql = None
+        if self.set_based:
+            identity = any(c.identity for c in dest_cols if c.name in self.cols)
+            shape = applysql.Shape(
+                self.dest, self.keys, self.cols, identity, self.json_nulls, on_conflict, self.row_filter
+            )
+            self.set_sql = applysql.set_based_sql(shape).as_bytes(sub)
 
     def after_ddl(self, sub: psycopg.Connection) -> None:
         """A script from the queue ran here as on the provider: a column it added exists on both
-        sides, and the batch's later events carry it, so they must be applied with it."""
+        sides, and the batch's later events carry it, so they must be applied with it (unless
+        the table has a column list)."""
         if not catalog.table_exists(sub, self.dest):
             return
         dest_cols = catalog.columns(sub, self.dest)
+        added = [c.name for c in dest_cols if c.name not in self.dest_names and self.column_list is None]
         self.cols = [
-            c.name
-            for c in dest_cols
-            if not c.generated and (c.name in self.cols or c.name not in self.dest_names)
+            c.name for c in dest_cols if not c.generated and (c.name in self.cols or c.name in added)
         ]
         self.dest_names = frozenset(c.name for c in dest_cols)
-        self.set_based = self.event_format == "json" and catalog.has_unique_index_on(
-            sub, self.dest, self.keys
-        )
-        identity = any(c.identity for c in dest_cols if c.name in self.cols)
-        self.json_nulls = catalog.has_json_columns(sub, self.dest)
-        self.set_sql = self._set_based_sql(identity).as_bytes(sub) if self.set_based else None
-
-    def _set_based_sql(self, identity: bool) -> sql.Composed:
-        dest = sql.SQL(self.dest)  # canonical name, quoted by the server
-        # each event's row is made once, typed, as the whole row `pgcascade_row`: keys compare with
-        # the types' equality (as the unique index does) and sort cheaper than their JSON text
-        key_exprs = sql.SQL(", ").join(
-            sql.SQL("(pgcascade_row).{}").format(sql.Identifier(k)) for k in self.keys
-        )
-        key_match = sql.SQL(" and ").join(
-            sql.SQL("t.{0} = (net.pgcascade_row).{0}").format(sql.Identifier(k)) for k in self.keys
-        )
-        cols = sql.SQL(", ").join(map(sql.Identifier, self.cols))
-        rcols = sql.SQL(", ").join(
-            sql.SQL("(net.pgcascade_row).{}").format(sql.Identifier(c)) for c in self.cols
-        )
-        non_keys = [c for c in self.cols if c not in self.keys]
-        on_conflict = (
-            sql.SQL("do update set {}").format(
-                sql.SQL(", ").join(sql.SQL("{0} = excluded.{0}").format(sql.Identifier(c)) for c in non_keys)
-            )
-            if non_keys
-            else sql.SQL("do nothing")
-        )
-        # rows are made with json_populate_record, not jsonb's: jsonb would turn float -0 into 0
-        # and rewrite the text of json columns (whitespace, key order, duplicate keys); with
-        # json/jsonb columns through event_row, which also restores their JSON nulls
-        populate = sql.SQL(
-            "pgcascade.event_row(null::{}, s.ev_data)"
-            if self.json_nulls
-            else "json_populate_record(null::{}, s.ev_data::json)"
-        ).format(dest)
-        return sql.SQL(
-            "with net as ("
-            " select distinct on ({keys}) s.ev_type, pgcascade_row from pg_temp.pgcascade_stage s"
-            " cross join lateral {populate} pgcascade_row"
-            " where s.ev_extra1 = %(t)s and s.ev_id >= %(lo)s and s.ev_id < %(hi)s"
-            " and s.ev_type in ('I', 'U', 'D')"
-            " and (%(skip)s::text is null"
-            "      or not txid_visible_in_snapshot(s.ev_txid, %(skip)s::text::txid_snapshot))"
-            " order by {keys}, s.ev_id desc),"
-            " del as (delete from {dest} t using net where net.ev_type = 'D' and {key_match})"
-            " insert into {dest} ({cols}){overriding}"
-            " select {rcols} from net where net.ev_type <> 'D'"
-            " on conflict ({keycols}) {on_conflict}"
-        ).format(
-            keys=key_exprs,
-            populate=populate,
-            dest=dest,
-            key_match=key_match,
-            cols=cols,
-            rcols=rcols,
-            overriding=sql.SQL(" overriding system value" if identity else ""),
-            keycols=sql.SQL(", ").join(map(sql.Identifier, self.keys)),
-            on_conflict=on_conflict,
-        )
+        self.compose(sub, dest_cols)
 
     def apply_peer(self, sub: psycopg.Connection, lo: int, hi: int, peer: PeerBatch) -> int:
         """A two-way peer's events, with conflict detection and resolution; conflicts found."""
@@ -283,9 +239,14 @@ class TableApplier:
                 return
             except (psycopg.errors.UniqueViolation, psycopg.errors.ExclusionViolation) as e:
                 log.info("%s: set-based apply hit %s; applying row by row", self.dest, type(e).__name__)
+        if rowwise and (self.row_filter is not None or self.column_list is not None):
+            raise ApplyError(
+                f"{self.table}: partial-SQL events cannot be filtered (--where/--columns): add the table"
+                " on the root with --format=json"
+            )
         sub.execute(
-            "select pgcascade.apply_rows(%s, %s::regclass, %s, %s, %s, %s, %s::pg_snapshot)",
-            (self.table, self.dest, self.keys, self.cols, lo, hi, skip),
+            "select pgcascade.apply_rows(%s, %s::regclass, %s, %s, %s, %s, %s::pg_snapshot, %s)",
+            (self.table, self.dest, self.keys, self.cols, lo, hi, skip, self.row_filter),
         )
 
 

@@ -36,6 +36,7 @@ from pgcascade.core.errors import UserError
 from pgcascade.core.hooks import pause_point
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
+from pgcascade.replica import filters
 from pgcascade.replica import state as states
 from pgcascade.replica import tables as subscriber
 from pgcascade.replica.apply import APPLY_SETTINGS, TableApplier, apply_staged, peer_batch, stage_batch
@@ -74,11 +75,14 @@ def copy_table(
     dest: str,
     cols: list[str],
     partitioned: bool,
+    row_filter: str | None = None,
 ) -> tuple[int, int]:
-    """COPY the table, as of the exported snapshot, into dest in sub's transaction; (rows, bytes)."""
+    """COPY the table (the rows its filter passes), as of the exported snapshot, into dest in
+    sub's transaction; (rows, bytes)."""
     collist = sql.SQL(", ").join(map(sql.Identifier, cols))
     only = sql.SQL("" if partitioned else "only ")
-    out = sql.SQL("copy (select {} from {}{}) to stdout").format(collist, only, sql.SQL(table))
+    where = sql.SQL(" where {}").format(filters.embedded(row_filter)) if row_filter else sql.SQL("")
+    out = sql.SQL("copy (select {} from {}{}{}) to stdout").format(collist, only, sql.SQL(table), where)
     into = sql.SQL("copy {} ({}) from stdin").format(sql.SQL(dest), collist)
     return copystream.stream_copy(prov_dsn, snapshot, out, sub, into, copystream.Progress(table))
 
@@ -232,11 +236,13 @@ class CopyProcess(Daemon):
                 return False
             # the columns once no queued DDL is ahead of the copy
             dest_cols = {c.name for c in catalog.columns(self.sub, st.dest_table) if not c.generated}
-            cols = [
-                c.name
-                for c in catalog.columns(snap_conn, self.table)
-                if c.name in dest_cols and not c.generated
-            ]
+            cols = st.applied_columns(
+                [
+                    c.name
+                    for c in catalog.columns(snap_conn, self.table)
+                    if c.name in dest_cols and not c.generated
+                ]
+            )
             log.info("%s: copying under snapshot %s, catch-up from tick %d", self.table, snapshot, reg_tick)
             with self.sub.transaction():
                 self.sub.execute(APPLY_SETTINGS)
@@ -254,6 +260,7 @@ class CopyProcess(Daemon):
                     st.dest_table,
                     cols,
                     catalog.is_partitioned(snap_conn, self.table),
+                    st.row_filter,
                 )
                 copied = time.monotonic()
                 pause_point("in-copy", self.table)

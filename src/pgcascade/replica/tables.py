@@ -25,6 +25,7 @@ from pgcascade.core.errors import UserError
 from pgcascade.core.pgconn import scalar
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
+from pgcascade.replica import filters
 from pgcascade.replica import state as states
 from pgcascade.replica.state import TableState
 from pgcascade.replica.tabledef import TableDefinition
@@ -43,6 +44,12 @@ class SubscriberTable:
     local_writes: bool
     copy_node: str | None  # copy the rows from this node, not the provider ('?': find one)
     applied_tick: int | None = None  # a parallel apply's lane committed the table up to here
+    row_filter: str | None = None  # --where, as the server deparsed it (filters.py)
+    column_list: list[str] | None = None  # --columns
+
+    def applied_columns(self, names: list[str]) -> list[str]:
+        """Of these column names, those this node applies (its --columns, if any)."""
+        return names if self.column_list is None else [c for c in names if c in self.column_list]
 
 
 def _table_row(cursor: psycopg.Cursor) -> Callable[[Sequence[Any]], SubscriberTable]:
@@ -57,7 +64,8 @@ def tables(conn: psycopg.Connection, queue: str) -> list[SubscriberTable]:
     with conn.cursor(row_factory=_table_row) as cur:
         return cur.execute(
             "select table_name, dest_table, key_columns, state, copy_snapshot::text, copy_tick, copy_pid,"
-            " skip_truncate, local_writes, copy_node, applied_tick from pgcascade.subscriber_table"
+            " skip_truncate, local_writes, copy_node, applied_tick, row_filter, column_list"
+            " from pgcascade.subscriber_table"
             " where queue_name = %s"
             " order by 1",
             (queue,),
@@ -192,12 +200,15 @@ def add_tables(
     dest_table: str | None = None,
     allow_local_writes: bool = False,
     copy_node: str | None = None,
+    subset: filters.Subset = filters.EVERYTHING,
     say: Callable[[str], None] = lambda _line: None,
 ) -> list[str]:
     provided = capture.set_tables(prov, queue)
     wanted = list(provided) if all_tables else [catalog.canonical(prov, n) for n in names]
     if dest_table and len(wanted) != 1:
         raise UserError("--dest-table needs exactly one table")
+    if subset.given:
+        filters.refuse_unusable(nodes.require_node(conn, queue), wanted, capture.event_formats(prov, queue))
     for t in wanted:
         if t not in provided:
             raise UserError(f"table {t} is not replicated by the provider: add it on the root first")
@@ -205,12 +216,13 @@ def add_tables(
         check_copy_node(conn, queue, copy_node, wanted)
     elif not expect_sync and copy_node is None:
         refuse_uncopyable(prov, queue, wanted)
-    registered = {t.table_name for t in tables(conn, queue)}
+    registered = {t.table_name: t for t in tables(conn, queue)}
     node = nodes.require_node(conn, queue)
     added = []
     with conn.transaction(), contextlib.ExitStack() as sources:
         for t in wanted:
             if t in registered:
+                filters.refuse_change(registered[t].row_filter, registered[t].column_list, t, subset)
                 continue
             dest = catalog.canonical(conn, dest_table) if dest_table else t
             # the definition comes from where the rows will (a queue-only branch has neither)
@@ -219,6 +231,9 @@ def add_tables(
                 location = copy_source(conn, node, t, copy_node)
                 src = sources.enter_context(pgconn.connect(location, autocommit=True))
             prov_cols = catalog.columns(src, t)
+            if subset.columns is not None:
+                filters.check_columns(t, subset.columns, prov_cols, provided[t])
+                prov_cols = [c for c in prov_cols if c.name in subset.columns]
             if not catalog.table_exists(conn, dest):
                 if create_full:
                     make_full(conn, src, prov, queue, t, dest, say)
@@ -234,9 +249,13 @@ def add_tables(
                     raise UserError(
                         f"table {dest} does not match the provider's {t}: {diff} (--force to skip)"
                     )
+            row_filter = filters.canonical(conn, dest, subset.where) if subset.where is not None else None
+            if row_filter is not None:
+                filters.check_on_provider(src, t, row_filter)
             conn.execute(
                 "insert into pgcascade.subscriber_table (queue_name, table_name, dest_table, key_columns, state,"
-                " skip_truncate, local_writes, copy_node) values (%s, %s, %s, %s, %s, %s, %s, %s)",
+                " skip_truncate, local_writes, copy_node, row_filter, column_list)"
+                " values (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
                 (
                     queue,
                     t,
@@ -246,6 +265,8 @@ def add_tables(
                     skip_truncate,
                     allow_local_writes,
                     copy_node,
+                    row_filter,
+                    subset.columns,
                 ),
             )
             conn.execute("select pgcascade.protect_table(%s::regclass, %s)", (dest, not allow_local_writes))

@@ -1,0 +1,120 @@
+"""The set-based statement that applies one table's staged events (apply.py runs it).
+
+It reduces the table's row events of a segment (`lo <= ev_id < hi`) in the staging table to the
+last one per key - `net`, each event's row built once, typed as the destination's row - and
+applies that, in one statement:
+
+- **upsert**, where the destination has a unique index on the key: a DELETE of the keys whose
+  last event is D, and one INSERT ... ON CONFLICT (key) DO UPDATE of the others.
+- **update, then insert**, where it has none but the key is unique on the provider: a
+  partitioned destination can have a unique index only if it holds the partition key, so a
+  table partitioned by another column than the provider's key has none.  A DELETE, an
+  UPDATE ... FROM of the keys the destination holds, an INSERT of the others (NOT EXISTS under
+  the statement's snapshot, which the DELETE and UPDATE do not change).
+- **with a row filter** (add-table --where), either shape: a key whose last row fails the
+  filter is deleted like a D - an UPDATE that moved the row out of the filter removes it - and
+  one that passes is upserted - an UPDATE that moved it in inserts it.  The filter is evaluated
+  on the net row only, in a scalar subquery whose FROM is that row's columns, so its names bind
+  to the row's columns and nothing else.
+
+A column list (add-table --columns) is simply the columns written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from psycopg import sql
+
+from pgcascade.replica import filters
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the statement of one table depends on."""
+
+    dest: str  # canonical name
+    keys: list[str]
+    cols: list[str]  # the columns written (the key among them)
+    identity: bool  # a written column is an identity column: OVERRIDING SYSTEM VALUE
+    json_nulls: bool  # rows through pgcascade.event_row (restores JSON nulls)
+    on_conflict: bool  # upsert (a unique index on the key) or update, then insert
+    row_filter: str | None = None
+
+
+def _row_col(c: str) -> sql.Composed:
+    return sql.SQL("(net.pgcascade_row).{}").format(sql.Identifier(c))
+
+
+def set_based_sql(s: Shape) -> sql.Composed:
+    """The statement, with parameters t (the table as in ev_extra1), lo, hi and skip (a copy's
+    snapshot: events visible in it are in the copied rows)."""
+    dest = sql.SQL(s.dest)  # canonical name, quoted by the server
+    # keys compare with the types' equality (as the unique index does), and typed rows sort
+    # cheaper than their JSON text
+    key_exprs = sql.SQL(", ").join(sql.SQL("(pgcascade_row).{}").format(sql.Identifier(k)) for k in s.keys)
+    key_match = sql.SQL(" and ").join(
+        sql.SQL("t.{} = {}").format(sql.Identifier(k), _row_col(k)) for k in s.keys
+    )
+    non_keys = [c for c in s.cols if c not in s.keys]
+    # json_populate_record, not jsonb's: jsonb would turn float -0 into 0 and rewrite the text
+    # of json columns; with json/jsonb columns event_row, which also restores their JSON nulls
+    populate = sql.SQL(
+        "pgcascade.event_row(null::{}, s.ev_data)"
+        if s.json_nulls
+        else "json_populate_record(null::{}, s.ev_data::json)"
+    ).format(dest)
+    ctes = [
+        sql.SQL(
+            "net as ("
+            " select distinct on ({keys}) s.ev_type, pgcascade_row from pg_temp.pgcascade_stage s"
+            " cross join lateral {populate} pgcascade_row"
+            " where s.ev_extra1 = %(t)s and s.ev_id >= %(lo)s and s.ev_id < %(hi)s"
+            " and s.ev_type in ('I', 'U', 'D')"
+            " and (%(skip)s::text is null"
+            "      or not txid_visible_in_snapshot(s.ev_txid, %(skip)s::text::txid_snapshot))"
+            " order by {keys}, s.ev_id desc)"
+        ).format(keys=key_exprs, populate=populate)
+    ]
+    src, gone, stays = sql.SQL("net"), sql.SQL("net.ev_type = 'D'"), sql.SQL("net.ev_type <> 'D'")
+    if s.row_filter is not None:
+        ctes.append(
+            sql.SQL(
+                "kept as (select net.pgcascade_row, net.ev_type <> 'D' and coalesce("
+                "(select {} from (select (net.pgcascade_row).*) pgcascade_f), false) as pgcascade_keep from net)"
+            ).format(filters.embedded(s.row_filter, with_params=True))
+        )
+        src, gone, stays = sql.SQL("kept"), sql.SQL("not net.pgcascade_keep"), sql.SQL("net.pgcascade_keep")
+    ctes.append(
+        sql.SQL("del as (delete from {} t using {} net where {} and {})").format(dest, src, gone, key_match)
+    )
+    if not s.on_conflict and non_keys:
+        sets = sql.SQL(", ").join(sql.SQL("{} = {}").format(sql.Identifier(c), _row_col(c)) for c in non_keys)
+        ctes.append(
+            sql.SQL("upd as (update {} t set {} from {} net where {} and {})").format(
+                dest, sets, src, stays, key_match
+            )
+        )
+    if s.on_conflict:
+        tail = sql.SQL(" on conflict ({}) {}").format(
+            sql.SQL(", ").join(map(sql.Identifier, s.keys)),
+            sql.SQL("do update set {}").format(
+                sql.SQL(", ").join(sql.SQL("{0} = excluded.{0}").format(sql.Identifier(c)) for c in non_keys)
+            )
+            if non_keys
+            else sql.SQL("do nothing"),
+        )
+    else:
+        tail = sql.SQL(" and not exists (select 1 from {} t where {})").format(dest, key_match)
+    return sql.SQL(
+        "with {ctes} insert into {dest} ({cols}){overriding} select {rcols} from {src} net where {stays}{tail}"
+    ).format(
+        ctes=sql.SQL(", ").join(ctes),
+        dest=dest,
+        cols=sql.SQL(", ").join(map(sql.Identifier, s.cols)),
+        overriding=sql.SQL(" overriding system value" if s.identity else ""),
+        rcols=sql.SQL(", ").join(_row_col(c) for c in s.cols),
+        src=src,
+        stays=stays,
+        tail=tail,
+    )
