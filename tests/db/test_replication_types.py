@@ -424,9 +424,10 @@ def test_json_null_in_a_json_column_stays_json_null(replica):
 # --- keys without a unique index, secondary unique constraints ---------------------------------------------
 
 
-def test_subscriber_without_a_unique_index_on_the_key_applies_row_by_row(replica):
-    # nokey: no primary key on the root (its key is given with --key), none on the leaf;
-    # pkroot: a primary key on the root, a leaf table made by hand without any index
+def test_subscriber_without_a_unique_index_on_the_key(replica):
+    # nokey: no primary key on the root (its key is given with --key), none on the leaf: applied
+    # row by row; pkroot: a primary key on the root, a leaf table made by hand without any
+    # index: set-based, as update-then-insert (the root's key is unique)
     run(
         replica.root,
         "create table public.nokey (a int not null, b text not null, v text, n int)",
