@@ -46,7 +46,10 @@ def test_values_are_converted_to_their_types(tmp_path):
     [
         ("parallel_copies = two", "parallel_copies = 'two': must be a whole number"),
         ("parallel_copies = 0", "parallel_copies = '0': must be at least 1"),
-        ("loop_delay = soon", "loop_delay = 'soon': must be a number of seconds"),
+        (
+            "loop_delay = soon",
+            "loop_delay = 'soon': must be a number of seconds or a duration (500ms, 5min, 1h)",
+        ),
         ("spark_copy_min_rows = many", "spark_copy_min_rows = 'many': must be a whole number, or off"),
         ("watermark_period = -1", "watermark_period = '-1': must be at least 0.01"),
     ],

@@ -34,6 +34,16 @@ def test_check_is_ok_under_the_limit_and_critical_over_it():
     assert check(leaf(lag_seconds=45.0), None).code == 0  # no limit given: lag alone is fine
 
 
+def test_check_judges_a_delayed_leaf_by_its_lag_beyond_the_delay():
+    delayed = leaf(lag_seconds=3605.2, apply_delay_seconds=3600.0, lag_beyond_delay_seconds=5.2)
+    assert check(delayed, 30.0).line == "OK l1 (leaf), lag 3605.2 s (5.2 s beyond the 3600 s apply delay)"
+    late = check({**delayed, "lag_seconds": 3645.0, "lag_beyond_delay_seconds": 45.0}, 30.0)
+    assert (
+        late.code == 2
+        and late.line == "CRITICAL l1 (leaf): lag 45.0 s beyond the 3600 s apply delay over 30 s"
+    )
+
+
 def test_check_is_critical_on_errors_and_an_unreachable_provider():
     assert "unreachable" in check(leaf(provider_reachable=False, lag_seconds=None), 30.0).line
     assert check(leaf(lag_seconds=None), 30.0).code == 2  # lag unknown with a limit

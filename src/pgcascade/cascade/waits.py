@@ -14,7 +14,7 @@ from pgcascade.capture import logical
 from pgcascade.capture import tables as set_tables
 from pgcascade.cascade.survey import connect, find_root, last_tick_of
 from pgcascade.core import catalog
-from pgcascade.core.errors import RuntimeFailure
+from pgcascade.core.errors import RuntimeFailure, UserError, db_error_line
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
 from pgcascade.replica import tables as subscriber
@@ -85,7 +85,14 @@ def wait_provider(conn: psycopg.Connection, queue: str, say: Say, timeout: float
 
 
 def wait_sync(conn: psycopg.Connection, prov: psycopg.Connection, node: nodes.Node, timeout: float) -> None:
-    """Wait until every table is ok and the node applied a tick taken after this call began."""
+    """Wait until every table is ok and the node applied a tick taken after this call began
+    (a delayed leaf applies it one apply_delay later: a timeout not above that is refused)."""
+    delay = node.apply_delay.total_seconds() if node.apply_delay else 0.0
+    if delay and timeout <= delay:
+        raise UserError(
+            f"{node.node_name} applies changes {delay:g} s late (apply_delay): wait-sync waits at least"
+            " that long; give a --timeout above it"
+        )
     queue = node.queue_name
     prov_node = nodes.get_node(prov, queue)
     if prov_node is not None and prov_node.role.is_root:
@@ -103,6 +110,42 @@ def wait_sync(conn: psycopg.Connection, prov: psycopg.Connection, node: nodes.No
         return f"at tick {last} of {target}" + (f"; tables not ok: {', '.join(pending)}" if pending else "")
 
     wait_for("not in sync", outstanding, timeout, lambda _line: None, poll=0.1)
+
+
+def wait_sync_peers(conn: psycopg.Connection, node: nodes.Node, timeout: float) -> None:
+    """A two-way master: wait until it applied every peer's changes committed before this call -
+    a tick made now on each peer's queue (after its logical capture read the WAL up to now),
+    applied here by the worker, with every table ok under that peer."""
+    peers = nodes.peers(conn, node.queue_name)
+    if not peers:
+        raise UserError(f"{node.node_name} is the root, with no two-way peers: nothing to wait for")
+    deadline = time.monotonic() + timeout
+    targets: dict[str, tuple[str, int]] = {}
+    for p in peers:
+        assert p.provider_node is not None
+        try:
+            with connect(nodes.provider_location(conn, p), timeout=10) as prov:
+                if logical.is_logical(prov, p.queue_name):
+                    logical.wait_captured(prov, p.queue_name, max(deadline - time.monotonic(), 0.0))
+                targets[p.queue_name] = (p.provider_node, q.ticker(prov, p.queue_name))
+        except psycopg.OperationalError as e:
+            raise RuntimeFailure(
+                f"master {p.provider_node} does not answer ({db_error_line(e)}): its changes cannot be waited for"
+            ) from None
+
+    def outstanding() -> str | None:
+        lacking = []
+        for queue, (peer, tick) in targets.items():
+            applied = nodes.applied_tick(conn, queue)
+            pending = [t.table_name for t in subscriber.tables(conn, queue) if not t.state.is_ok]
+            if applied < tick or pending:
+                lacking.append(
+                    f"from {peer} at tick {applied} of {tick}"
+                    + (f", tables not ok: {', '.join(pending)}" if pending else "")
+                )
+        return "; ".join(lacking) or None
+
+    wait_for("not in sync", outstanding, max(deadline - time.monotonic(), 0.0), lambda _line: None, poll=0.1)
 
 
 def wait_provider_has_tables(

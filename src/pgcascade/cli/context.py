@@ -16,7 +16,7 @@ import click
 import psycopg
 
 from pgcascade.core import pgconn
-from pgcascade.core.config import JobConfig, load_config
+from pgcascade.core.config import JobConfig, load_config, parse_duration
 from pgcascade.core.daemon import Daemon, setup_logging, signal_daemon
 from pgcascade.core.errors import ConfigError, UserError, db_error_line
 from pgcascade.pgq import node as nodes
@@ -101,20 +101,14 @@ class Duration(click.ParamType):
     """A length of time: 30, 30s, 500ms, 5min, 2h (seconds when no unit)."""
 
     name = "duration"
-    UNITS = {"ms": 0.001, "s": 1.0, "sec": 1.0, "min": 60.0, "m": 60.0, "h": 3600.0}
 
     def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> float:
         if isinstance(value, int | float):
             return float(value)
-        text = str(value).strip().lower()
-        number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-        unit = text[len(number) :] or "s"
         try:
-            if unit not in self.UNITS:
-                raise ValueError
-            seconds = float(number) * self.UNITS[unit]
-        except ValueError:
-            self.fail(f"{value!r} is not a duration (examples: 30s, 500ms, 5min, 2h)", param, ctx)
+            seconds = parse_duration(str(value))
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
         if seconds < 0:
             self.fail(f"{value!r}: a duration cannot be negative", param, ctx)
         return seconds

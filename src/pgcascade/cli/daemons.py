@@ -17,6 +17,7 @@ from pgcascade.monitor.exporter import NodeCollector
 from pgcascade.pgq.ticker import Ticker
 from pgcascade.pipeline.copy import SparkCopier
 from pgcascade.replica.copy import CopyProcess
+from pgcascade.replica.delay import refuse_apply_delay
 from pgcascade.replica.worker import Worker
 
 
@@ -33,15 +34,15 @@ def ticker(cctx: click.Context, config: str | None, detach: bool, ctl: str | Non
 
 
 def refuse_without_node(ctx: Context) -> None:
-    """A database that is no node has no worker: say so and exit 2 instead of starting a
-    daemon that retries forever.  An unreachable database is left to the daemon.  A root's
-    worker waits, for the day a takeover makes the root a branch."""
+    """A database that is no node has no worker, and apply_delay is a leaf's: say so and exit 2
+    instead of starting a daemon that retries forever.  An unreachable database is left to the
+    daemon.  A root's worker waits, for the day a takeover makes the root a branch."""
     try:
         conn = ctx.connect()
     except psycopg.OperationalError:
         return
     with conn:
-        ctx.node(conn)
+        refuse_apply_delay(ctx.cfg, ctx.node(conn))
 
 
 @click.command()

@@ -296,9 +296,19 @@ def execute(ctx: Context, files: tuple[str, ...]) -> None:
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait at most.")
 @pass_ctx
 def wait_sync(ctx: Context, timeout: float) -> None:
-    """Wait until every table is ok and this node has applied everything committed before now."""
-    with ctx.this_node() as (conn, node), ctx.provider(conn, node) as prov:
-        waits.wait_sync(conn, prov, node, timeout)
+    """Wait until every table is ok and this node has applied everything committed before now
+    (a two-way master: on every peer; a delayed leaf: after its apply_delay)."""
+    with ctx.this_node() as (conn, node):
+        if node.role.is_root:
+            waits.wait_sync_peers(conn, node, timeout)
+        else:
+            if node.apply_delay:
+                say(
+                    f"{node.node_name} applies changes {node.apply_delay.total_seconds():g} s late"
+                    " (apply_delay): waiting for that"
+                )
+            with ctx.provider(conn, node) as prov:
+                waits.wait_sync(conn, prov, node, timeout)
     click.echo("in sync")
 
 

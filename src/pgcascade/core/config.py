@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import configparser
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -29,9 +30,24 @@ from typing import Any
 from pgcascade.core.errors import ConfigError
 
 SECTIONS = ("pgcascade", "londiste")
+DURATION_UNITS = {
+    **dict.fromkeys(("ms", "msec"), 0.001),
+    **dict.fromkeys(("", "s", "sec", "second", "seconds"), 1.0),
+    **dict.fromkeys(("m", "min", "mins", "minute", "minutes"), 60.0),
+    **dict.fromkeys(("h", "hour", "hours"), 3600.0),
+    **dict.fromkeys(("d", "day", "days"), 86400.0),
+}
 OFF_WORDS = ("off", "no", "false", "0")
 # Londiste 2 names of keys (seed 000)
 ALIASES = {"subscriber_db": "db", "pgq_queue_name": "queue_name"}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from `30`, `30s`, `500ms`, `5min`, `1h`, `2 days`; ValueError otherwise."""
+    m = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*([a-z]*)\s*", text.lower())
+    if m is None or m.group(2) not in DURATION_UNITS:
+        raise ValueError(f"{text!r} is not a duration (examples: 30s, 500ms, 5min, 1h)")
+    return float(m.group(1)) * DURATION_UNITS[m.group(2)]
 
 
 def setting(default: Any, help: str, *, minimum: float | None = None) -> Any:
@@ -76,6 +92,12 @@ class WorkerSettings:
     )
     parallel_apply_min_events: int = setting(
         20000, "the smallest batch (events) applied on several connections", minimum=1
+    )
+    apply_delay: float = setting(
+        0.0,
+        "a leaf applies each batch only once its tick is this old (30min, 1h): a delayed replica"
+        " (docs/replication.md)",
+        minimum=0,
     )
 
 
@@ -229,9 +251,9 @@ def convert(name: str, text: str, tp: Any, minimum: float | None) -> Any:
     if base is str:
         return text
     try:
-        value = base(text)
+        value = parse_duration(text) if base is float else base(text)
     except ValueError:
-        what = "a whole number" if base is int else "a number of seconds"
+        what = "a whole number" if base is int else "a number of seconds or a duration (500ms, 5min, 1h)"
         raise ValueError(f"must be {what}" + (", or off" if optional and base is int else "")) from None
     if minimum is not None and value < minimum:
         raise ValueError(f"must be at least {minimum:g}")

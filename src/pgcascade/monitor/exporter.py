@@ -52,6 +52,10 @@ FAMILIES: dict[str, tuple[str, list[str]]] = {
     "pgcascade_node_has_error": ("1 when the node's worker recorded an error", NODE),
     "pgcascade_node_lag_seconds": ("age, on its provider, of the last tick the node applied", NODE),
     "pgcascade_node_lag_ticks": ("ticks the node's provider has that the node has not applied", NODE),
+    "pgcascade_node_apply_delay_seconds": (
+        "a subscriber's apply_delay (0: not delayed): its lag beyond the delay is lag minus this",
+        NODE,
+    ),
     "pgcascade_node_tables": ("tables of the node, by state", [*NODE, "phase"]),
 }
 SET_WIDE = {n for n in FAMILIES if n.startswith("pgcascade_node_")}
@@ -94,6 +98,8 @@ class Families:
         self.add("pgcascade_node_has_error", key, int(bool(r["last_error"])))
         self.add("pgcascade_node_lag_seconds", key, r.get("lag_seconds"))
         self.add("pgcascade_node_lag_ticks", key, r.get("ticks_behind"))
+        if "lag_seconds" in r:
+            self.add("pgcascade_node_apply_delay_seconds", key, r.get("apply_delay_seconds") or 0.0)
         for phase, n in r["tables_per_state"].items():
             self.add("pgcascade_node_tables", [*key, phase], n)
 

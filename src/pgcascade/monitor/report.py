@@ -70,6 +70,13 @@ def applied_position(t: subscriber.SubscriberTable, node: nodes.Node) -> int | N
     return t.copy_tick
 
 
+def beyond_delay(lag: float | None, delay: timedelta | None) -> float | None:
+    """A delayed leaf's lag beyond its apply_delay (what to watch); the lag itself otherwise."""
+    if lag is None or not delay:
+        return lag
+    return round(max(lag - delay.total_seconds(), 0.0), 3)
+
+
 def table_lags(
     prov: psycopg.Connection, node: nodes.Node, tables: list[subscriber.SubscriberTable]
 ) -> dict[str, tuple[float | None, int | None]]:
@@ -161,6 +168,8 @@ def node_report(conn: psycopg.Connection, node: nodes.Node) -> dict[str, Any]:
             except psycopg.Error as e:
                 prov, lag = None, Lag(None, None, False, db_error_line(e))
             report["lag_seconds"] = lag.seconds
+            report["apply_delay_seconds"] = seconds(node.apply_delay)
+            report["lag_beyond_delay_seconds"] = beyond_delay(lag.seconds, node.apply_delay)
             report["ticks_behind"] = lag.ticks_behind
             report["provider_reachable"] = lag.provider_reachable
             report["provider_error"] = lag.provider_error
@@ -270,17 +279,20 @@ class Verdict:
 
 
 def check(report: dict[str, Any], max_lag: float | None) -> Verdict:
-    """`status --check`: critical when the lag is over `max_lag` or unknown, the provider does
-    not answer, or the node has an error; ok otherwise (a root: its error and capture only)."""
+    """`status --check`: critical when the lag (a delayed leaf's beyond its delay) is over
+    `max_lag` or unknown, the provider does not answer, or the node has an error; ok otherwise
+    (a root: its error and capture only)."""
     problems = []
+    delay = report.get("apply_delay_seconds")
+    beyond = f" beyond the {delay:g} s apply delay" if delay else ""
     if report.get("last_error"):
         problems.append(f"error: {report['last_error']}")
     if "lag_seconds" in report:
-        lag = report["lag_seconds"]
+        lag = report.get("lag_beyond_delay_seconds", report["lag_seconds"])
         if not report["provider_reachable"]:
             problems.append(f"provider {report['provider']} unreachable")
         elif max_lag is not None and (lag is None or lag > max_lag):
-            problems.append(f"lag {'unknown' if lag is None else f'{lag:.1f} s'} over {max_lag:g} s")
+            problems.append(f"lag {'unknown' if lag is None else f'{lag:.1f} s'}{beyond} over {max_lag:g} s")
     capture = report.get("capture", {})
     if capture.get("last_error"):
         problems.append(f"capture error: {capture['last_error']}")
@@ -288,4 +300,6 @@ def check(report: dict[str, Any], max_lag: float | None) -> Verdict:
     if problems:
         return Verdict(2, f"CRITICAL {who}: " + "; ".join(problems))
     lag_text = f", lag {report['lag_seconds']:.1f} s" if report.get("lag_seconds") is not None else ""
+    if delay and report.get("lag_beyond_delay_seconds") is not None:
+        lag_text += f" ({report['lag_beyond_delay_seconds']:.1f} s{beyond})"
     return Verdict(0, f"OK {who}{lag_text}")

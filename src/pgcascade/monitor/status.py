@@ -123,6 +123,8 @@ def set_tree(conn: psycopg.Connection, queue: str) -> Tree:
         text = f"[bold]{n.node_name}[/bold] {n.node_type}"
         if not n.role.is_root and i:
             text += f", lag {fmt_interval(i.lag)}, {i.behind} ticks behind (tick {i.tick})"
+            if n.apply_delay:
+                text += f", apply delay {fmt_interval(n.apply_delay)}"
         elif i:
             text += f", tick {i.tick}"
         if n.paused:
@@ -186,6 +188,11 @@ def print_node_status(conn: psycopg.Connection, node: Node) -> None:
         f"lag: {age}, {behind} ticks (last applied tick {node.last_tick})"
         f"{'  [yellow]paused[/yellow]' if node.paused else ''}"
     )
+    if r["apply_delay_seconds"]:
+        console.print(
+            f"apply delay: {fmt_seconds(r['apply_delay_seconds'])}, lag beyond it:"
+            f" {fmt_seconds(r['lag_beyond_delay_seconds'])}"
+        )
     console.print(
         "tables: " + (", ".join(f"{s}: {n}" for s, n in sorted(r["tables_per_state"].items())) or "none")
     )

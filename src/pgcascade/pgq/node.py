@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -76,6 +77,7 @@ class Node:
     combined_queue: str | None = None  # a merge-leaf: the combined queue it feeds
     peer_of: str | None = None  # a two-way peer subscription: the queue this master is the root of
     conflict_policy: str | None = None  # a peer subscription's default conflict policy
+    apply_delay: timedelta | None = None  # a delayed leaf: the apply_delay its worker runs with
 
     @property
     def is_peer(self) -> bool:
@@ -93,7 +95,7 @@ class Node:
 
 NODE_COLUMNS = (
     "queue_name, node_name, node_type, provider_node, worker_name, last_tick, paused, last_error,"
-    " combined_queue, peer_of, conflict_policy"
+    " combined_queue, peer_of, conflict_policy, apply_delay"
 )
 
 
@@ -231,6 +233,11 @@ def last_error(conn: psycopg.Connection, queue_name: str) -> tuple[str, Any] | N
 
 def set_paused(conn: psycopg.Connection, queue_name: str, paused: bool) -> None:
     conn.execute("update pgcascade.node set paused = %s where queue_name = %s", (paused, queue_name))
+
+
+def set_apply_delay(conn: psycopg.Connection, queue_name: str, delay: timedelta | None) -> None:
+    """The delay this node's worker applies batches with (its config's apply_delay), for status."""
+    conn.execute("update pgcascade.node set apply_delay = %s where queue_name = %s", (delay, queue_name))
 
 
 def set_provider(conn: psycopg.Connection, queue_name: str, provider: str) -> None:

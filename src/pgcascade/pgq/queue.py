@@ -109,6 +109,19 @@ def next_batch(
     return row
 
 
+def delayed_tick(
+    conn: psycopg.Connection, queue: str, after_tick: int, delay: float
+) -> tuple[int | None, float | None]:
+    """A delayed consumer at `after_tick`: the newest tick at least `delay` seconds old (None:
+    none yet), and the seconds until the next one is (None: no younger tick yet)."""
+    row = conn.execute(
+        "select tick_id, extract(epoch from next_due)::float8 from pgcascade.delayed_tick(%s, %s, %s)",
+        (queue, after_tick, timedelta(seconds=delay)),
+    ).fetchone()
+    assert row is not None
+    return row[0], row[1]
+
+
 def resume_at(conn: psycopg.Connection, queue: str, consumer: str, tick: int) -> None:
     """Put a consumer back at `tick`, the last tick it applied durably elsewhere."""
     conn.execute("select pgcascade.set_consumer_position(%s, %s, %s)", (queue, consumer, tick))

@@ -56,6 +56,7 @@ from pgcascade.replica.apply import (
 )
 from pgcascade.replica.copies import CopyLauncher
 from pgcascade.replica.copy import BulkCopier
+from pgcascade.replica.delay import ApplyDelay
 from pgcascade.replica.parallel import ParallelApply, ahead_of, left_out
 from pgcascade.replica.state import Phase
 
@@ -111,6 +112,7 @@ class Worker(Daemon):
         self.origin_session: psycopg.Connection | None = None  # runs under the peer's replication origin
         self.retry_at = 0.0  # a peer's worker after an error: not before then
         self.backoff = 0.0
+        self.delay = ApplyDelay()  # a delayed leaf (apply_delay)
 
     def reload(self) -> None:
         self.copies.cfg = self.cfg
@@ -160,7 +162,14 @@ class Worker(Daemon):
         self.prov_node = None
 
     def sleep(self, seconds: float) -> None:
-        """Wait for the provider's next tick (NOTIFY), at most `seconds`."""
+        """Wait for the provider's next tick (NOTIFY), at most `seconds`; a delayed leaf, until
+        its next tick is old enough."""
+        if self.delay.due_in is not None:
+            try:
+                self.delay.sleep(self.prov, lambda: self.stop_requested or self.reload_requested)
+            except psycopg.Error:
+                self.drop_connections()
+            return
         if self.peer_workers:
             self.sleep_on_peers(seconds)
             return
@@ -193,6 +202,7 @@ class Worker(Daemon):
     # --- the loop ---
     def work(self) -> bool:
         sub, prov, node = self.connect()
+        self.delay.check(self.cfg, sub, node)
         if prov is None:
             return self.work_peers(sub) if node.role.is_root else False
         if node.paused:
@@ -212,15 +222,16 @@ class Worker(Daemon):
             self.count_tables(node, tables)
         if any(t.state.phase is Phase.DO_SYNC for t in tables):
             return False  # the copy process is catching up to our tick
+        cap = min(
+            (c for c in (batch_cap(tables, node.last_tick), ahead_of(tables, node.last_tick)) if c),
+            default=None,
+        )
         info = q.next_batch(
             prov,
             self.queue,
             node.consumer,
             self.cfg.worker.max_batch_events if node.role.may_merge_ticks else None,
-            min(
-                (c for c in (batch_cap(tables, node.last_tick), ahead_of(tables, node.last_tick)) if c),
-                default=None,
-            ),
+            self.delay.limit(self.cfg, prov, node, cap),
         )
         if info.batch_id is not None:
             self.process_batch(sub, prov, node, tables, info)
