@@ -366,7 +366,25 @@ def test_three_masters_converge_under_concurrent_writes(two_way: TwoWaySet, make
     for t in threads:
         t.join()
     assert not errors, errors
-    two_way.wait_converged("accounts", "history", "orders")
+    # wait-sync on a master waits until it applied every peer's changes committed before it:
+    # with a's worker stopped it does not return; once a applied b's last row, it does
+    a, b = masters[0], masters[1]
+    Daemons.kill(a.worker, signal.SIGINT)
+    b.execute("insert into history values (-1, 1, 0, 'b, last')")  # a key no writer uses
+    waiting = two_way.daemons.start(str(a.ini), "wait-sync", "--timeout", "120")
+    time.sleep(3)
+    assert waiting.poll() is None, f"wait-sync returned with a's worker stopped: {waiting.output()}"
+    a.worker = two_way.daemons.start(str(a.ini), "worker")
+    assert waiting.wait(timeout=150) == 0, waiting.output()
+    with a.db.connect() as conn:
+        last = conn.execute("select origin from history where id = -1").fetchone()
+    assert last == ("b, last",), "wait-sync returned before b's last row was applied"
+    # then on the others: all three are equal when the last one returns
+    for m in masters[1:]:
+        m.cli("wait-sync", "--timeout", "120")
+    for t in ("accounts", "history", "orders"):
+        sums = two_way.checksums(t)
+        assert len(set(sums.values())) == 1, f"{t} differs after wait-sync on every master: {sums}"
     counts = {n: table_checksum(m.db, "history")[0] for n, m in zip(names, masters, strict=True)}
     assert len(set(counts.values())) == 1 and counts["a"] > 20, counts
     assert sum(len(conflicts_of(m)) for m in masters) > 0, "overlapping updates made no conflict"

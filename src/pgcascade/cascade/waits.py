@@ -115,10 +115,9 @@ def wait_sync(conn: psycopg.Connection, prov: psycopg.Connection, node: nodes.No
 def wait_sync_peers(conn: psycopg.Connection, node: nodes.Node, timeout: float) -> None:
     """A two-way master: wait until it applied every peer's changes committed before this call -
     a tick made now on each peer's queue (after its logical capture read the WAL up to now),
-    applied here by the worker, with every table ok under that peer."""
+    applied here by the worker, with every table ok under that peer.  A root without peers has
+    every change already."""
     peers = nodes.peers(conn, node.queue_name)
-    if not peers:
-        raise UserError(f"{node.node_name} is the root, with no two-way peers: nothing to wait for")
     deadline = time.monotonic() + timeout
     targets: dict[str, tuple[str, int]] = {}
     for p in peers:

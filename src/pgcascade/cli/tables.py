@@ -297,7 +297,7 @@ def execute(ctx: Context, files: tuple[str, ...]) -> None:
 @pass_ctx
 def wait_sync(ctx: Context, timeout: float) -> None:
     """Wait until every table is ok and this node has applied everything committed before now
-    (a two-way master: on every peer; a delayed leaf: after its apply_delay)."""
+    (a two-way master: on every peer; a delayed leaf: after its apply_delay; a root: at once)."""
     with ctx.this_node() as (conn, node):
         if node.role.is_root:
             waits.wait_sync_peers(conn, node, timeout)
