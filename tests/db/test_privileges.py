@@ -43,9 +43,13 @@ def test_an_application_role_that_owns_nothing_keeps_writing_a_captured_table(re
             "create table accounts (id int primary key, v text)",
             f'grant select, insert, update, delete, truncate on accounts to "{app_role}"',
             f'grant create on schema public to "{app_role}"',
+            # a partitioned table: its partitions' triggers and the mark run for the role too
+            "create table ledger (id int primary key, v text) partition by range (id)",
+            "create table ledger_p0 partition of ledger for values from (0) to (1000)",
+            f'grant select, insert, update, delete on ledger, ledger_p0 to "{app_role}"',
         )
     run(replica.root, "insert into accounts select i, 'v' || i from generate_series(1, 20) i")
-    replica.setup(["accounts"], leaf_args=())
+    replica.setup(["accounts", "ledger"], leaf_args=())
     replica.start_ticker()
     replica.start_worker()
     replica.wait_sync()
@@ -60,9 +64,13 @@ def test_an_application_role_that_owns_nothing_keeps_writing_a_captured_table(re
             app.execute("truncate accounts")
             app.execute("insert into accounts select i, 'after truncate' from generate_series(1, 7) i")
         app.execute("update accounts set id = id + 100 where id = 7")  # a key change
+        app.execute("insert into ledger select i, 'through the table' from generate_series(1, 5) i")
+        app.execute("insert into ledger_p0 values (6, 'naming the partition')")
+        app.execute("update ledger_p0 set v = v || '!' where id < 3")
     replica.wait_sync()
     assert table_checksum(replica.root, "public.accounts")[0] == 7
-    replica.assert_equal("public.accounts")
+    assert table_checksum(replica.root, "public.ledger")[0] == 6
+    replica.assert_equal("public.accounts", "public.ledger")
 
     # the subscriber's write protection answers the application role with its own refusal
     with (

@@ -362,10 +362,30 @@ def test_diff_keys_classifies_each_key():
     assert sorted(diff_keys(prov, sub)) == [(("1",), "missing"), (("3",), "different"), (("4",), "extra")]
 
 
-# --- a leaf that holds part of a table (add-table --where --columns) ---------------------------------
+# --- part of a table (add-table --where --columns), a partitioned table --------------------------------
 
 ORDERS = "public.orders"
+EVENTS = "public.events"
 EU_COLUMNS = "select id, region, amount from orders where region = 'eu'"
+SUBSET_ROOT = [
+    "create table orders (id int primary key, region text not null, amount numeric, secret text)",
+    "insert into orders select i, (array['eu', 'us', 'asia'])[1 + i % 3], i * 1.5, 'pii ' || i"
+    " from generate_series(1, 3000) i",
+    # partitioned by range on the root...
+    "create table events (id int, at int, kind text not null, v text, primary key (id, at)) partition by range (at)",
+    "create table events_p0 partition of events for values from (0) to (1000)",
+    "create table events_p1 partition of events for values from (1000) to (5000)",
+    "insert into events select i, i, (array['a', 'b', 'c'])[1 + i % 3], 'v' || i from generate_series(1, 3000) i",
+    "analyze orders, events",
+]
+# ... by list on the leaf (which then cannot have a unique index on the root's key)
+SUBSET_LEAF = [
+    "create table events (id int not null, at int not null, kind text not null, v text,"
+    " primary key (id, at, kind)) partition by list (kind)",
+    "create table events_a partition of events for values in ('a')",
+    "create table events_rest partition of events default",
+    "create index on events (id, at)",
+]
 
 
 def spark_copy_in_process(replica, table: str) -> None:
@@ -395,17 +415,17 @@ def spark_copy_in_process(replica, table: str) -> None:
         ).fetchone()[0], "not copied in Spark ranges"
 
 
-def test_filtered_leaf_spark_copy_compare_and_repair(replica, spark):
+def test_filtered_and_partitioned_tables_spark_copy_compare_and_repair(replica, spark):
+    """A leaf holding the root's EU orders without their personal column, and a table partitioned
+    by range on the root and by list on the leaf: both Spark-copied, compared clean after rows
+    moved in and out of the filter and between partitions, a planted drift found and repaired."""
     r = replica
     with r.root.connect() as conn:
-        conn.execute(
-            "create table orders (id int primary key, region text not null, amount numeric, secret text)"
-        )
-        conn.execute(
-            "insert into orders select i, (array['eu', 'us', 'asia'])[1 + i % 3], i * 1.5, 'pii ' || i"
-            " from generate_series(1, 3000) i"
-        )
-        conn.execute("analyze orders")
+        for statement in SUBSET_ROOT:
+            conn.execute(statement)
+    with r.leaf.connect() as conn:
+        for statement in SUBSET_LEAF:
+            conn.execute(statement)
     r.ini(
         "leaf",
         r.leaf,
@@ -415,31 +435,41 @@ def test_filtered_leaf_spark_copy_compare_and_repair(replica, spark):
         spark_master="local[2]",
     )
     r.setup()
-    r.cli("root", "add-table", ORDERS)
+    r.cli("root", "add-table", ORDERS, EVENTS)
     r.cli(
         "leaf", "add-table", ORDERS, "--where", "region = 'eu'", "--columns", "id,region,amount", "--create"
     )
+    r.cli("leaf", "add-table", EVENTS)
     spark_copy_in_process(r, ORDERS)
+    spark_copy_in_process(r, EVENTS)
     r.start_ticker()
     r.start_worker()
     with r.root.connect() as conn:
         conn.execute("update orders set region = 'us' where region = 'eu' and id % 5 = 0")
         conn.execute("update orders set region = 'eu', amount = -1 where region = 'asia' and id % 4 = 0")
+        conn.execute(
+            "update events set at = at + 2000, kind = 'a' where id % 7 = 0"
+        )  # partitions on both sides
+        conn.execute("delete from events_p0 where id % 11 = 0")
     r.wait_sync()
     assert checksum(r.leaf, "select * from orders") == checksum(r.root, EU_COLUMNS)
-    assert counts(compare(r, spark, compare_segment_rows=500)) == {ORDERS: (0, 0, 0)}
+    assert table_checksum(r.leaf, EVENTS) == table_checksum(r.root, EVENTS)
+    assert counts(compare(r, spark, compare_segment_rows=500)) == {ORDERS: (0, 0, 0), EVENTS: (0, 0, 0)}
     leaf_exec(
         r,
         "delete from orders where id = 3",  # missing
         "insert into orders values (4, 'us', 1)",  # extra: the root has it, but not in the filter
         "update orders set amount = 0 where id = 6",  # different
+        "delete from events where id = 2",
+        "update events set kind = 'b', v = 'moved' where id = 10",  # into another partition here
     )
     cfg = load_config(r.leaf_ini)
     spool = KeySpool()
     with Comparison(cfg, []) as cmp:
         results = cmp.run(spark, spool.write)
         specs = cmp.ctx.specs
-    assert counts({x.spec.table: x for x in results}) == {ORDERS: (1, 1, 1)}
+    assert counts({x.spec.table: x for x in results}) == {ORDERS: (1, 1, 1), EVENTS: (1, 0, 1)}
     apply_fix(cfg.db, cfg.queue_name, specs, spool, timeout=10)
     assert checksum(r.leaf, "select * from orders") == checksum(r.root, EU_COLUMNS)
-    assert counts(compare(r, spark)) == {ORDERS: (0, 0, 0)}
+    assert table_checksum(r.leaf, EVENTS) == table_checksum(r.root, EVENTS)
+    assert counts(compare(r, spark)) == {ORDERS: (0, 0, 0), EVENTS: (0, 0, 0)}

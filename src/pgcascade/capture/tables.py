@@ -146,6 +146,7 @@ def add_tables(
     logical = walcapture.is_logical(conn, queue)
     if logical and event_format != "json":
         raise UserError("logical capture writes json events only: --format=sql needs trigger capture")
+    refuse_overlap(conn, [t.canonical for t in tables], known)
     added = []
     with conn.transaction():
         for t in tables:
@@ -171,6 +172,23 @@ def add_tables(
                 added.append(t.canonical)
         emit_table_list(conn, queue)
     return added
+
+
+def refuse_overlap(conn: psycopg.Connection, adding: list[str], known: dict[str, list[str]]) -> None:
+    """A partitioned table is replicated as itself, with every partition: one of its partitions
+    in the set besides it would be captured twice."""
+    names = sorted(set(adding) | set(known))
+    row = conn.execute(
+        "select pgcascade.canonical_name(t.relid), a.name from unnest(%s::text[]) a(name)"
+        " cross join lateral pg_partition_tree(to_regclass(a.name)) t"
+        " where t.level > 0 and pgcascade.canonical_name(t.relid) = any(%s::text[]) limit 1",
+        (names, names),
+    ).fetchone()
+    if row is not None:
+        raise UserError(
+            f"{row[0]} is a partition of {row[1]}: a partitioned table is replicated with all its partitions,"
+            " add the one or the other"
+        )
 
 
 def make_two_way(conn: psycopg.Connection, table: str, keys: list[str]) -> None:

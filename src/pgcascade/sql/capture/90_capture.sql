@@ -45,6 +45,13 @@ language sql immutable as $$
            || ' || '' where '' || ' || pgcascade.capture_sql_where_expr(i_old, i_keys)
 $$;
 
+-- pgcascade.canonical_name(table) -> format('%I.%I', schema, name): the name events carry.
+create or replace function pgcascade.canonical_name(i_table regclass) returns text
+language sql stable as $$
+    select format('%I.%I', n.nspname, c.relname) from pg_class c join pg_namespace n on n.oid = c.relnamespace
+     where c.oid = i_table
+$$;
+
 -- pgcascade.origin_rare() -> the rare fields of a captured event: null, or ev_extra4 = the
 -- origin master when a two-way peer's apply (which sets pgcascade.origin) made the change.
 create or replace function pgcascade.origin_rare() returns pgcascade.event_rare
@@ -82,8 +89,23 @@ declare
     -- they run in the application's transactions, whose role may own nothing and have no
     -- rights on schema pgcascade: as their owner, with a search_path no caller can change
     fn_definer text := ' security definer set search_path = pg_catalog, pg_temp';
+    -- a partitioned table: its partitions' triggers call the same functions (91_capture_partitions.sql)
+    partitioned bool := (select relkind = 'p' from pg_class where oid = i_table);
+    name_expr text := 'format(''%%I.%%I'', TG_TABLE_SCHEMA, TG_TABLE_NAME)';
+    part_check text := '';
 begin
     q := pgcascade.find_queue(i_queue);
+    if partitioned then
+        -- events of a partition carry the table's name; one detached since is not ours any
+        -- more; the mark of a statement on the table or an inner partition ends with it
+        name_expr := replace(quote_literal(pgcascade.canonical_name(i_table)), '%', '%%');
+        part_check := format($p$
+    perform set_config(%L || (pg_trigger_depth() - 1), '', true);
+    if TG_RELID <> %s and pg_partition_root(TG_RELID) is distinct from %s::oid::regclass then
+        return null;
+    end if;$p$, pgcascade.partition_mark_name(i_table), i_table::oid, i_table::oid);
+        perform pgcascade.partition_functions(i_table);
+    end if;
     if i_format not in ('json', 'sql') then
         raise exception 'unknown event format "%" (json or sql)', i_format using errcode = '22023';
     end if;
@@ -133,9 +155,9 @@ end $f$, split_part(op, ':', 2), msg));
     else
         body := $f$
 declare
-    v_table text := format('%%I.%%I', TG_TABLE_SCHEMA, TG_TABLE_NAME);
+    v_table text := $f$ || name_expr || $f$;
     v_rare pgcascade.event_rare := pgcascade.origin_rare();
-begin
+begin$f$ || replace(part_check, '%', '%%') || $f$
     %s;
     return null;
 end $f$;
@@ -184,6 +206,7 @@ begin
                    ' for each statement execute function pgcascade.%I()', i_table, fn || '_del');
     execute format('create trigger _pgcascade_capture_trunc after truncate on %s'
                    ' for each statement execute function pgcascade.%I()', i_table, fn || '_trunc');
+    perform pgcascade.capture_partitions(i_table);
 end $$;
 
 -- pgcascade.capture_refresh(queue) -> tables whose capture functions were regenerated: those
@@ -208,16 +231,18 @@ begin
     return n;
 end $$;
 
--- pgcascade.capture_disable_triggers(table) -> void: drop the capture triggers (functions stay).
+-- pgcascade.capture_disable_triggers(table) -> void: drop the capture triggers, a partitioned
+-- table's on its partitions too (functions stay).
 create or replace function pgcascade.capture_disable_triggers(i_table regclass) returns void
 language plpgsql as $$
 declare
     t text;
 begin
     foreach t in array array['_pgcascade_capture_ins', '_pgcascade_capture_upd', '_pgcascade_capture_del',
-                             '_pgcascade_capture_trunc'] loop
+                             '_pgcascade_capture_trunc', '_pgcascade_partmark', '_pgcascade_partguard'] loop
         execute format('drop trigger if exists %I on %s', t, i_table);
     end loop;
+    perform pgcascade.capture_partitions_drop(i_table, true);
 end $$;
 
 -- pgcascade.capture_disable(table) -> void: drop the capture triggers and functions.
@@ -227,7 +252,7 @@ declare
     op text;
 begin
     perform pgcascade.capture_disable_triggers(i_table);
-    foreach op in array array['ins', 'upd', 'del', 'trunc'] loop
+    foreach op in array array['ins', 'upd', 'del', 'trunc', 'mark', 'guard'] loop
         execute format('drop function if exists pgcascade.%I()', 'capture_' || i_table::oid || '_' || op);
     end loop;
 end $$;

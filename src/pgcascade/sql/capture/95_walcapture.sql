@@ -30,6 +30,7 @@ language plpgsql as $$
 declare
     w pgcascade.walcapture;
     pk text[];
+    v_part record;
     v_ident text := 'default';
 begin
     select * into w from pgcascade.walcapture where queue_name = i_queue;
@@ -43,9 +44,13 @@ begin
     if pk is distinct from i_keys or pgcascade.walcapture_needs_full_identity(i_table)
        or (select relreplident from pg_class where oid = i_table) = 'n' then
         v_ident := 'full';
-        if (select relreplident from pg_class where oid = i_table) <> 'f' then
-            execute format('alter table %s replica identity full', i_table);
-        end if;
+        -- a partitioned table: pgoutput logs a partition's old rows by the partition's own
+        -- identity (new partitions: maint_capture_partitions)
+        for v_part in select c.oid::regclass as rel from pg_class c
+                       where (c.oid = i_table or c.oid in (select relid from pg_partition_tree(i_table)))
+                         and c.relkind in ('r', 'p') and c.relreplident <> 'f' loop
+            execute format('alter table %s replica identity full', v_part.rel);
+        end loop;
     end if;
     if not exists (select 1 from pg_publication_rel r join pg_publication p on p.oid = r.prpubid
                     where p.pubname = w.publication and r.prrelid = i_table) then

@@ -39,8 +39,8 @@ $$;
 
 -- pgq.maint_operations() -> (func_name, func_arg): PgQ's list - rotation of the queues whose
 -- period has passed, the queues' queue_extra_maint functions, the tables to vacuum - and
--- pgcascade's own upkeep of each queue (global watermark, tick cleanup), which PgQ does inside
--- its rotation.
+-- pgcascade's own upkeep of each queue (global watermark, tick cleanup, which PgQ does inside
+-- its rotation; capture triggers of partitions attached since).
 create or replace function pgq.maint_operations(out func_name text, out func_arg text)
 returns setof record
 language sql stable as $$
@@ -60,6 +60,7 @@ language sql stable as $$
     union all
     select * from (
         select f, queue_name from pgcascade.queue,
-               unnest(array['pgcascade.maint_global_watermark', 'pgcascade.maint_tick_cleanup']) f
+               unnest(array['pgcascade.maint_global_watermark', 'pgcascade.maint_tick_cleanup',
+                             'pgcascade.maint_capture_partitions']) f
          order by queue_name) c
 $$;
