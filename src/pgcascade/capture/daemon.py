@@ -50,10 +50,10 @@ from pgcascade.capture.pgoutput import (
     lsn_int,
     lsn_str,
 )
-from pgcascade.core import metrics, pgconn
+from pgcascade.core import metrics, pgconn, privileges
 from pgcascade.core.config import JobConfig
 from pgcascade.core.daemon import Daemon
-from pgcascade.core.errors import RuntimeFailure, UserError, db_error_line, redact
+from pgcascade.core.errors import RuntimeFailure, UserError, redact
 from pgcascade.core.hooks import pause_point
 from pgcascade.core.pgconn import one, scalar
 from pgcascade.pgq import node as nodes
@@ -173,7 +173,7 @@ class WalCapture(Daemon):
         # queue's position (events written but not committed vanish with the connection)
         self.drop_connections()
         # and make the failure visible in `status` (best effort: the database may be down)
-        message = db_error_line(e) if isinstance(e, psycopg.Error) else str(e)
+        message = privileges.explain(e, self.cfg.db)
         try:
             with pgconn.connect(self.cfg.db or "", autocommit=True, connect_timeout=5) as conn:
                 conn.execute(

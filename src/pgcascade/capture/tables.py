@@ -16,7 +16,7 @@ from __future__ import annotations
 import psycopg
 
 from pgcascade.capture import logical as walcapture
-from pgcascade.core import catalog
+from pgcascade.core import catalog, privileges
 from pgcascade.core.catalog import TableRef
 from pgcascade.core.errors import UserError
 from pgcascade.pgq import queue as q
@@ -142,6 +142,7 @@ def add_tables(
     tables = catalog.all_tables(conn) if all_tables else catalog.resolve(conn, patterns)
     if not tables:
         raise UserError("no tables to add")
+    privileges.require(conn, privileges.owner_of(conn, [t.canonical for t in tables]))
     known = set_tables(conn, queue)
     logical = walcapture.is_logical(conn, queue)
     if logical and event_format != "json":

@@ -21,6 +21,7 @@ from pgcascade.core.errors import RuntimeFailure, UserError
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
 from pgcascade.pgq.node import NodeType
+from pgcascade.replica import seqs as subscriber_seqs
 from pgcascade.replica import state as states
 from pgcascade.replica import tables as subscriber
 
@@ -123,7 +124,7 @@ def resurrect(conn: psycopg.Connection, queue: str, location: str, lost_file: Pa
     with conn.transaction():
         again = {t: in_set[t] for t in tables if t in in_set and catalog.table_exists(conn, t)}
         subscriber.adopt(conn, queue, again, states.NEW)
-        subscriber.follow_seqs(conn, queue, seqs)
+        subscriber_seqs.follow_seqs(conn, queue, seqs)
         set_tables.follow_seqs(conn, queue, seqs)  # as a branch, it passes them on
     say(f"{lost} events that never reached the set written to {lost_file}")
     return f"{me.node_name} is a branch of {new_root.name}; its tables are copied again from there"

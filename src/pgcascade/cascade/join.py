@@ -8,7 +8,7 @@ import psycopg
 
 from pgcascade.capture import tables as set_tables
 from pgcascade.cascade.survey import connect, find_root
-from pgcascade.core import pgconn, schema
+from pgcascade.core import pgconn, privileges, schema
 from pgcascade.core.errors import RuntimeFailure, UserError
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
@@ -26,8 +26,23 @@ def already_node(conn: psycopg.Connection, queue: str, node_name: str, node_type
     raise UserError(f"this database is already node {existing.node_name} ({existing.node_type}) of {queue}")
 
 
-def create_root(conn: psycopg.Connection, queue: str, node_name: str, location: str) -> bool:
+def check_rights(conn: psycopg.Connection, node_type: NodeType, logical: bool = False) -> None:
+    """Refuse up front, naming the grant to run, what this role could not do as such a node
+    (core/privileges.py): every node installs the schema; a subscriber applies with
+    session_replication_role = replica; logical capture reads a slot."""
+    privileges.require(
+        conn,
+        privileges.schema(conn),
+        privileges.replica_role(conn) if node_type is not NodeType.ROOT else None,
+        privileges.replication(conn) if logical else None,
+    )
+
+
+def create_root(
+    conn: psycopg.Connection, queue: str, node_name: str, location: str, logical: bool = False
+) -> bool:
     """Install the schema, create the set's queue and register this database as its root."""
+    check_rights(conn, NodeType.ROOT, logical)
     schema.install(conn)
     if already_node(conn, queue, node_name, NodeType.ROOT):
         return False
@@ -52,6 +67,7 @@ def create_subscriber(
     locations.  A branch gets a queue of its own that starts at the tick it registered at,
     and a copy of the set's table list (its own subscribers choose from it).  A leaf given
     `merge` (a combined queue of this database) is a merge-leaf."""
+    check_rights(conn, node_type)
     schema.install(conn)
     if already_node(conn, queue, node_name, node_type):
         return False
@@ -62,6 +78,7 @@ def create_subscriber(
                 f"--merge={merge}: a merge-leaf needs the combined set's root or branch in this database first"
             )
     with pgconn.connect(provider_connstr, autocommit=True, connect_timeout=10) as prov:
+        privileges.require(prov, privileges.schema(prov), where="on the provider")
         pnode = nodes.get_node(prov, queue)
         if pnode is None or not pnode.role.has_queue:
             raise UserError(f"the provider is not a root or branch of set {queue!r}")
@@ -90,7 +107,10 @@ def create_subscriber(
 def announce_location(
     root: psycopg.Connection, queue: str, name: str, location: str | None, dead: bool = False
 ) -> None:
-    """On the root: store a node's location (None: the node left) and send it down the set."""
+    """On the root: store a node's location (None: the node left) and send it down the set
+    (without a password, as every location)."""
+    if location is not None:
+        location = nodes.stored_location(name, location)
     with root.transaction():
         if location is None:
             nodes.delete_location(root, queue, name)

@@ -37,6 +37,7 @@ from pgcascade.core.pgconn import scalar
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
 from pgcascade.pgq.node import NodeType
+from pgcascade.replica import seqs as subscriber_seqs
 from pgcascade.replica import state as states
 from pgcascade.replica import tables as subscriber
 
@@ -251,7 +252,7 @@ def import_subscriber(conn: psycopg.Connection, node: LondisteNode, say: Say) ->
             subscriber.adopt_table(
                 conn, queue, t.name, t.dest, keys[t.name], states.OK if t.in_sync else states.NEW
             )
-        subscriber.follow_seqs(conn, queue, node.seqs)
+        subscriber_seqs.follow_seqs(conn, queue, node.seqs)
         if node.node_type is NodeType.BRANCH:
             set_tables.follow_seqs(conn, queue, node.seqs)
     note = f"; copied again: {', '.join(node.to_copy)}" if node.to_copy else ""

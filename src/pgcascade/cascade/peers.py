@@ -15,7 +15,7 @@ from psycopg import sql
 
 from pgcascade.capture import logical
 from pgcascade.capture import tables as set_tables
-from pgcascade.core import pgconn
+from pgcascade.core import pgconn, privileges
 from pgcascade.core.errors import UserError
 from pgcascade.core.pgconn import scalar
 from pgcascade.pgq import node as nodes
@@ -63,8 +63,16 @@ def add_peer(
         raise UserError(f"{peer} is this master's own name")
     require_commit_timestamps(conn, "this master")
     policy.check_function(conn)
+    with_origins = logical.is_logical(conn, own_queue)  # the apply marks peers' changes with origins
+    privileges.require(
+        conn,
+        privileges.replica_role(conn),
+        privileges.owner_of(conn, list(set_tables.set_tables(conn, own_queue))),
+        privileges.replication_origins(conn) if with_origins else None,
+    )
     own_location = nodes.node_location(conn, own_queue, me.node_name)
     with pgconn.connect(location, autocommit=True, connect_timeout=10) as prov:
+        privileges.require(prov, privileges.schema(prov), where=f"on master {peer}")
         require_commit_timestamps(prov, f"master {peer}")
         queue = peer_queue(prov, peer)
         if queue == own_queue:
@@ -102,7 +110,8 @@ def add_peer(
         nodes.set_location(conn, queue, peer, location)
         nodes.set_location(conn, queue, me.node_name, own_location)
         subscriber.subscribe_peer_tables(conn, queue, ours)
-        logical.ensure_origin(conn, logical.peer_origin(peer))
+        if with_origins:
+            logical.ensure_origin(conn, logical.peer_origin(peer))
         for table, keys in ours.items():
             set_tables.make_two_way(conn, table, keys)
     return True

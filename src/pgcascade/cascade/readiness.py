@@ -23,6 +23,7 @@ from psycopg import sql
 from pgcascade.core import catalog
 from pgcascade.core.pgconn import scalar
 from pgcascade.pgq import node as nodes
+from pgcascade.replica import seqs as subscriber_seqs
 from pgcascade.replica import tables as subscriber
 
 
@@ -30,7 +31,7 @@ def write_gaps(new: psycopg.Connection, old: psycopg.Connection | None, queue: s
     """What keeps `new` from taking the writes `old` (None: lost) takes; empty if nothing."""
     if nodes.is_combined(new, queue):
         return []  # a combined queue's rows come from its partitions' merge-leaves, not an application
-    followed = {s for s, _ in subscriber.seqs(new, queue)}
+    followed = {s for s, _ in subscriber_seqs.seqs(new, queue)}
     gaps: list[str] = []
     for table in sorted(subscriber.in_sync_tables(new, queue)):
         mine = catalog.column_defaults(new, table)

@@ -41,6 +41,7 @@ from pgcascade.cascade.waits import Say, wait_for
 from pgcascade.core.errors import RuntimeFailure, UserError
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
+from pgcascade.replica import seqs as subscriber_seqs
 from pgcascade.replica import state as states
 from pgcascade.replica import tables as subscriber
 
@@ -67,7 +68,7 @@ def demote_to_branch(conn: psycopg.Connection, queue: str, provider: str) -> int
     with conn.transaction():
         nodes.lock_node(conn, queue)
         subscriber.adopt(conn, queue, set_tables.stop_capture(conn, queue), states.OK)
-        subscriber.follow_seqs(conn, queue, set_tables.set_seqs(conn, queue))
+        subscriber_seqs.follow_seqs(conn, queue, set_tables.set_seqs(conn, queue))
         tick = q.ticker(conn, queue)
         q.set_queue_config(conn, queue, "external_ticker", "true")
         nodes.become_branch(conn, queue, provider, tick)

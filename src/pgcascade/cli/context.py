@@ -92,6 +92,21 @@ def say(line: str) -> None:
     click.echo(line, err=True)
 
 
+def note_secrets(dsns: dict[str, str]) -> None:
+    """Say in one line which of the connection strings given (what -> string) had a password
+    that is not stored (node locations never carry one: pgq.node.stored_location)."""
+    named = []
+    for what, dsn in dsns.items():
+        with contextlib.suppress(psycopg.ProgrammingError):  # not one: storing it said why
+            if pgconn.has_secret(dsn):
+                named.append(what)
+    if named:
+        click.echo(
+            f"the password in {' and '.join(named)} is not stored: each node that connects takes it from"
+            ' its ~/.pgpass, a service file or PGPASSWORD (docs/operations.md, "Security")'
+        )
+
+
 def require_subscriber(node: nodes.Node, verb: str) -> None:
     if node.role.captures_changes:
         raise UserError(f"{verb} is a subscriber verb: the root has every table of the set")

@@ -7,7 +7,7 @@ import click
 from pgcascade.capture import logical
 from pgcascade.capture import tables as set_tables
 from pgcascade.cascade import join
-from pgcascade.cli.context import Context, pass_ctx
+from pgcascade.cli.context import Context, note_secrets, pass_ctx
 from pgcascade.core import schema
 from pgcascade.core.errors import UserError
 from pgcascade.pgq.node import NodeType
@@ -46,7 +46,9 @@ def install(ctx: Context, pgq_compat: bool) -> None:
 def create_root(ctx: Context, node_name: str, location: str | None, capture_mode: str | None) -> None:
     """Make this database the root of the set: install, create the queue."""
     with ctx.connect() as conn:
-        created = join.create_root(conn, ctx.queue(), node_name, location or ctx.db())
+        created = join.create_root(
+            conn, ctx.queue(), node_name, location or ctx.db(), logical=capture_mode == "logical"
+        )
         is_logical = logical.is_logical(conn, ctx.queue())
         if capture_mode == "logical":
             created = set_tables.use_logical(conn, ctx.queue()) or created
@@ -57,6 +59,7 @@ def create_root(ctx: Context, node_name: str, location: str | None, capture_mode
     click.echo(
         f"root {node_name} of {ctx.queue()}: {'created' if created else 'exists already'} (capture {mode})"
     )
+    note_secrets({"location": location} if location else {"db (the node's location)": ctx.db()})
 
 
 def create_subscriber(
@@ -72,6 +75,12 @@ def create_subscriber(
         created = join.create_subscriber(conn, ctx.queue(), node_name, node_type, loc, provider, merge)
         if created and not join.announce_at_root(conn, ctx.queue(), node_name, loc):
             click.echo("the root is unreachable: other nodes learn this node's location later", err=True)
+    note_secrets(
+        {
+            "--provider": provider,
+            **({"location": location} if location else {"db (the node's location)": ctx.db()}),
+        }
+    )
     return created
 
 

@@ -11,12 +11,13 @@ import psycopg
 from pgcascade.capture import tables as set_tables
 from pgcascade.cascade import admin, peers, waits
 from pgcascade.cli.context import Context, echo_json, pass_ctx, require_subscriber, say
-from pgcascade.core import catalog
+from pgcascade.core import catalog, privileges
 from pgcascade.core.errors import UserError
 from pgcascade.monitor import report
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
 from pgcascade.replica import filters
+from pgcascade.replica import seqs as subscriber_seqs
 from pgcascade.replica import tables as subscriber
 from pgcascade.replica.conflicts import ConflictPolicy
 
@@ -129,6 +130,7 @@ def add_table(
             raise UserError("--key and --format are set on the root, where tables are captured")
         if merge_all and not node.combined_queue:
             raise UserError("--merge-all is for a merge-leaf (create-leaf --merge)")
+        privileges.require(conn, privileges.replica_role(conn))  # the copies apply with it
         parts = nodes.merged_partitions(conn, node) if merge_all else [node]
         for part in parts:
             with ctx.provider(conn, part) as prov:
@@ -157,7 +159,7 @@ def add_table(
 
 def pass_seqs_on(conn: psycopg.Connection, queue: str) -> None:
     """A branch passes on the values of the sequences it follows (its subscribers read them)."""
-    set_tables.follow_seqs(conn, queue, [s for s, _ in subscriber.seqs(conn, queue)])
+    set_tables.follow_seqs(conn, queue, [s for s, _ in subscriber_seqs.seqs(conn, queue)])
 
 
 @click.command("remove-table")
@@ -242,7 +244,7 @@ def add_seq(ctx: Context, seqs: tuple[str, ...], all_seqs: bool, no_wait: bool, 
                 if not no_wait and seqs:
                     waits.wait_provider_has_seqs(conn, prov, queue, list(seqs), say, timeout)
                 with conn.transaction():
-                    added = subscriber.add_seqs(conn, prov, queue, list(seqs), all_seqs)
+                    added = subscriber_seqs.add_seqs(conn, prov, queue, list(seqs), all_seqs)
                     if node.role.copies_events:
                         pass_seqs_on(conn, queue)
     echo_each("added", added)
@@ -254,7 +256,7 @@ def add_seq(ctx: Context, seqs: tuple[str, ...], all_seqs: bool, no_wait: bool, 
 def remove_seq(ctx: Context, seqs: tuple[str, ...]) -> None:
     """Stop replicating sequences."""
     with ctx.this_node() as (conn, node), conn.transaction():
-        owner = set_tables if node.role.captures_changes else subscriber
+        owner = set_tables if node.role.captures_changes else subscriber_seqs
         owner.remove_seqs(conn, ctx.queue(), list(seqs))
         if node.role.copies_events and not node.role.captures_changes:
             set_tables.unfollow_seqs(conn, ctx.queue(), list(seqs))
@@ -269,7 +271,7 @@ def seqs_cmd(ctx: Context) -> None:
         if node.role.captures_changes:
             names = set_tables.set_seqs(conn, ctx.queue())
         else:
-            names = [s for s, _ in subscriber.seqs(conn, ctx.queue())]
+            names = [s for s, _ in subscriber_seqs.seqs(conn, ctx.queue())]
     for n in names:
         click.echo(n)
 

@@ -8,7 +8,7 @@ import json
 import click
 
 from pgcascade.cascade import peers
-from pgcascade.cli.context import Context, Duration, echo_json, pass_ctx
+from pgcascade.cli.context import Context, Duration, echo_json, note_secrets, pass_ctx
 from pgcascade.pgq import node as nodes
 from pgcascade.replica import conflicts as log
 from pgcascade.replica.conflicts import DEFAULT_POLICY, ConflictPolicy
@@ -32,6 +32,7 @@ def add_peer(ctx: Context, peer: str, location: str, policy: str) -> None:
     with ctx.connect() as conn:
         created = peers.add_peer(conn, ctx.queue(), peer, location, parsed)
     click.echo(f"peer {peer}: {'added' if created else 'updated'} (conflicts: {parsed})")
+    note_secrets({"--location": location})
 
 
 @click.command("conflicts")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psycopg
 
-from pgcascade.core import metrics
+from pgcascade.core import metrics, privileges
 from pgcascade.core.config import JobConfig, load_config
 from pgcascade.core.errors import ConfigError, RuntimeFailure, UserError, redact
 
@@ -137,6 +137,9 @@ class Daemon:
     def report_error(self, e: Exception) -> None:
         """Make a failed round visible (the worker stores it for `status`)."""
 
+    def recovered(self) -> None:
+        """A round worked after failed ones (a copy process clears its table's error)."""
+
     def on_kill(self) -> None:
         """Called on SIGTERM before exiting (the worker stops its copy processes first)."""
 
@@ -184,8 +187,10 @@ class Daemon:
                 self.reload()
             try:
                 busy = self.work()
-                if self.error_backoff and self.metrics:
-                    metrics.UP.labels(self.name, self.cfg.job_name).set(1)
+                if self.error_backoff:
+                    self.recovered()
+                    if self.metrics:
+                        metrics.UP.labels(self.name, self.cfg.job_name).set(1)
                 self.error_backoff = 0.0
             except (KeyboardInterrupt, SystemExit):
                 raise
@@ -196,9 +201,12 @@ class Daemon:
                     metrics.ERRORS.labels(self.name, self.cfg.job_name, type(e).__name__).inc()
                     metrics.UP.labels(self.name, self.cfg.job_name).set(0)
                 self.error_backoff = min(max(self.error_backoff * 2, 1.0), 30.0)
-                log.error(
-                    "%s: %s (retrying in %.0fs)", type(e).__name__, redact(str(e)).strip(), self.error_backoff
+                detail = (  # a missing privilege: with the grant to run
+                    privileges.explain(e, self.cfg.db)
+                    if isinstance(e, psycopg.errors.InsufficientPrivilege)
+                    else redact(str(e)).strip()
                 )
+                log.error("%s: %s (retrying in %.0fs)", type(e).__name__, detail, self.error_backoff)
                 log.debug("traceback", exc_info=True)
                 self.report_error(e)
                 self.backoff_sleep(self.error_backoff)

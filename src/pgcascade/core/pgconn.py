@@ -15,12 +15,29 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 SESSION_OPTIONS = "-c datestyle=ISO,YMD -c intervalstyle=postgres"
+# what a connection string may hold that pgcascade never stores or sends (docs/operations.md)
+SECRET_KEYS = ("password", "sslpassword")
 
 
 def with_session_options(dsn: str) -> str:
     params = conninfo_to_dict(dsn)
     params["options"] = " ".join(str(o) for o in (params.get("options"), SESSION_OPTIONS) if o)
     return make_conninfo("", **params)
+
+
+def has_secret(dsn: str) -> bool:
+    """Whether the connection string holds a password (or an SSL key's)."""
+    return any(k in conninfo_to_dict(dsn) for k in SECRET_KEYS)
+
+
+def without_secrets(dsn: str) -> str:
+    """The connection string without its password: what a node's location may carry.  The node
+    that connects finds the password where libpq looks (~/.pgpass, a service file, PGPASSWORD).
+    A URI comes back as key=value pairs; a string without a secret comes back unchanged."""
+    params = conninfo_to_dict(dsn)
+    if not any(k in params for k in SECRET_KEYS):
+        return dsn
+    return make_conninfo("", **{k: v for k, v in params.items() if k not in SECRET_KEYS})
 
 
 def connect(

@@ -114,6 +114,7 @@ def table_rows(
         ]
     tables = subscriber.tables(conn, node.queue_name)
     lags = table_lags(prov, node, tables) if prov is not None else {}
+    failed = subscriber.copy_errors(conn, node.queue_name)
     return [
         {
             "table": t.table_name,
@@ -126,6 +127,8 @@ def table_rows(
             "tick": t.state.tick,
             "lag_seconds": lags.get(t.table_name, (None, None))[0],
             "pending_events": lags.get(t.table_name, (None, None))[1],
+            "last_error": failed[t.table_name][0] if t.table_name in failed else None,
+            "last_error_time": timestamp(failed[t.table_name][1]) if t.table_name in failed else None,
         }
         for t in tables
     ]
@@ -280,13 +283,18 @@ class Verdict:
 
 def check(report: dict[str, Any], max_lag: float | None) -> Verdict:
     """`status --check`: critical when the lag (a delayed leaf's beyond its delay) is over
-    `max_lag` or unknown, the provider does not answer, or the node has an error; ok otherwise
-    (a root: its error and capture only)."""
+    `max_lag` or unknown, the provider does not answer, or the node or a table's copy has an
+    error; ok otherwise (a root: its error and capture only)."""
     problems = []
     delay = report.get("apply_delay_seconds")
     beyond = f" beyond the {delay:g} s apply delay" if delay else ""
     if report.get("last_error"):
         problems.append(f"error: {report['last_error']}")
+    failed_copies: dict[str, list[str]] = {}  # the same failure of several copies: said once
+    for t in report.get("tables", []):
+        if t.get("last_error") and t["last_error"] != report.get("last_error"):
+            failed_copies.setdefault(t["last_error"], []).append(t["table"])
+    problems += [f"copy of {', '.join(names)}: {error}" for error, names in failed_copies.items()]
     if "lag_seconds" in report:
         lag = report.get("lag_beyond_delay_seconds", report["lag_seconds"])
         if not report["provider_reachable"]:

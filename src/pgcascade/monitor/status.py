@@ -202,6 +202,11 @@ def print_node_status(conn: psycopg.Connection, node: Node) -> None:
         console.print(copy_line(p), highlight=False, soft_wrap=True)
     if r["last_error"]:
         console.print(f"[red]last error[/red] ({r['last_error_time']}): {r['last_error']}")
+    for row in r["tables"]:
+        if row["last_error"]:
+            console.print(
+                f"[red]copy of {row['table']}[/red] ({row['last_error_time']}): {row['last_error']}"
+            )
 
 
 def peer_table(peers: list[dict]) -> Table:

@@ -58,7 +58,7 @@ def topology(conn: psycopg.Connection, queue: str) -> dict[str, Any]:
 
 
 def errors(members: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Unreachable members, worker errors and capture errors, newest first."""
+    """Unreachable members, worker, copy and capture errors, newest first."""
     out = []
     for m in members:
         r = m["report"]
@@ -75,6 +75,16 @@ def errors(members: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "time": r["last_error_time"],
                 }
             )
+        for t in r.get("tables", []):
+            if t.get("last_error"):
+                out.append(
+                    {
+                        "node": m["name"],
+                        "kind": f"copy {t['table']}",
+                        "message": t["last_error"],
+                        "time": t["last_error_time"],
+                    }
+                )
         if r.get("provider_reachable") is False:
             out.append({"node": m["name"], "kind": "provider", "message": r["provider_error"], "time": None})
         capture = r.get("capture") or {}

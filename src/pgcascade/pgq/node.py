@@ -21,8 +21,8 @@ from typing import Any
 
 import psycopg
 
-from pgcascade.core import schema
-from pgcascade.core.errors import RuntimeFailure, UserError
+from pgcascade.core import pgconn, schema
+from pgcascade.core.errors import RuntimeFailure, UserError, db_error_line
 from pgcascade.core.pgconn import scalar
 
 
@@ -325,7 +325,19 @@ def provider_location(conn: psycopg.Connection, node: Node) -> str:
     return node_location(conn, node.queue_name, node.provider_node)
 
 
+def stored_location(node_name: str, location: str) -> str:
+    """A node's location as pgcascade stores and sends it: without a password."""
+    try:
+        return pgconn.without_secrets(location)
+    except psycopg.ProgrammingError as e:
+        raise UserError(
+            f"location of node {node_name} is not a connection string: {db_error_line(e)}"
+        ) from None
+
+
 def set_location(conn: psycopg.Connection, queue_name: str, node_name: str, location: str) -> None:
+    """Store a node's location (its password left out: stored_location)."""
+    location = stored_location(node_name, location)
     conn.execute(
         "insert into pgcascade.node_location (queue_name, node_name, node_location) values (%s, %s, %s)"
         " on conflict (queue_name, node_name) do update set node_location = excluded.node_location, dead = false",

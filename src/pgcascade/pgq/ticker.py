@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import psycopg
 from psycopg import sql
 
-from pgcascade.core import metrics, pgconn
+from pgcascade.core import metrics, pgconn, privileges
 from pgcascade.core.config import JobConfig
 from pgcascade.core.daemon import Daemon
 from pgcascade.core.errors import db_error_line
@@ -157,7 +157,7 @@ class Ticker(Daemon):
             except psycopg.OperationalError as e:
                 db.lost(e)
             except psycopg.Error as e:
-                log.error("db %s: %s", db.name, db_error_line(e))
+                log.error("db %s: %s", db.name, privileges.explain(e, db.connstr))
                 db.lost(e)
         return False
 

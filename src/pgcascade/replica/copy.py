@@ -29,7 +29,7 @@ from psycopg import sql
 
 from pgcascade.capture import logical
 from pgcascade.capture import tables as set_tables
-from pgcascade.core import catalog, copystream, pgconn
+from pgcascade.core import catalog, copystream, pgconn, privileges
 from pgcascade.core.config import JobConfig
 from pgcascade.core.daemon import Daemon
 from pgcascade.core.errors import UserError
@@ -129,6 +129,22 @@ class CopyProcess(Daemon):
             self.prov = pgconn.connect(self.prov_location, autocommit=True, connect_timeout=10)
             self.prov_logical = self.node.is_peer and logical.is_logical(self.prov, self.queue)
         return self.sub, self.prov
+
+    def report_error(self, e: Exception) -> None:
+        """The failure shows in `status` with the table (and with the grant to run if a privilege
+        is missing); a connection of its own, as the worker's."""
+        version = self.sub.info.server_version if self.sub is not None and not self.sub.closed else 0
+        with (
+            contextlib.suppress(psycopg.Error),
+            pgconn.connect(self.db, autocommit=True, connect_timeout=5) as conn,
+        ):
+            subscriber.record_copy_error(
+                conn, self.queue, self.table, privileges.explain(e, self.db, version)
+            )
+
+    def recovered(self) -> None:
+        if self.sub is not None and not self.sub.closed:
+            subscriber.record_copy_error(self.sub, self.queue, self.table, None)
 
     def drop_connections(self) -> None:
         for c in (self.sub, self.prov):

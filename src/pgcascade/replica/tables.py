@@ -1,4 +1,4 @@
-"""The tables and sequences a subscriber replicates, and their checks.
+"""The tables a subscriber replicates (its sequences: seqs.py), and their checks.
 
 `add_tables` registers provider tables on this node (state NULL: the worker starts a copy;
 `--expect-sync`: state ok at once).  Unless `--force`, the local table must have every column
@@ -6,7 +6,8 @@ the provider sends, with the same type; the first difference is the error.  `--c
 the local table from the provider's columns, `--create-full` from its whole definition
 (tabledef.py).  Replicated tables refuse writes from ordinary
 sessions (a trigger that does not fire under session_replication_role = replica) unless added
-with `allow_local_writes`.
+with `allow_local_writes`.  A copy process's last failure on its table is kept with the table
+(`record_copy_error`) for `status`.
 """
 
 from __future__ import annotations
@@ -20,12 +21,11 @@ import psycopg
 from psycopg import sql
 
 from pgcascade.capture import tables as capture
-from pgcascade.core import catalog, pgconn
+from pgcascade.core import catalog, pgconn, privileges
 from pgcascade.core.errors import UserError
-from pgcascade.core.pgconn import scalar
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
-from pgcascade.replica import filters
+from pgcascade.replica import filters, seqs
 from pgcascade.replica import state as states
 from pgcascade.replica.state import TableState
 from pgcascade.replica.tabledef import TableDefinition
@@ -123,6 +123,25 @@ def set_copy_tick(conn: psycopg.Connection, queue: str, table: str, tick: int) -
     )
 
 
+def record_copy_error(conn: psycopg.Connection, queue: str, table: str, message: str | None) -> None:
+    """The copy process's last failure on the table (None: it works again), for `status`."""
+    conn.execute(
+        "update pgcascade.subscriber_table set last_error = %s, last_error_time = case when %s::text is null"
+        " then null else now() end where queue_name = %s and table_name = %s",
+        (message, message, queue, table),
+    )
+
+
+def copy_errors(conn: psycopg.Connection, queue: str) -> dict[str, tuple[str, Any]]:
+    """table -> (message, time) of the copy processes' last failures."""
+    rows = conn.execute(
+        "select table_name, last_error, last_error_time from pgcascade.subscriber_table"
+        " where queue_name = %s and last_error is not null",
+        (queue,),
+    ).fetchall()
+    return {t: (message, at) for t, message, at in rows}
+
+
 def busy_tables(conn: psycopg.Connection, queue: str) -> list[str]:
     """Tables between NULL and ok: a copy owns them."""
     return [t.table_name for t in tables(conn, queue) if t.state not in (states.NEW, states.OK)]
@@ -178,7 +197,7 @@ def make_full(
         say(f"{dest}: {note}")
     owned = [s.name for s in definition.sequences if s.owner_column]
     passed_on = set(capture.set_seqs(prov, queue))
-    follow_seqs(conn, queue, [s for s in owned if s in passed_on])
+    seqs.follow_seqs(conn, queue, [s for s in owned if s in passed_on])
     for s in owned:
         if s not in passed_on:
             say(
@@ -235,6 +254,8 @@ def add_tables(
                 filters.check_columns(t, subset.columns, prov_cols, provided[t])
                 prov_cols = [c for c in prov_cols if c.name in subset.columns]
             if not catalog.table_exists(conn, dest):
+                if create or create_full:
+                    privileges.require(conn, privileges.create_in(conn, catalog.split_name(conn, dest)[0]))
                 if create_full:
                     make_full(conn, src, prov, queue, t, dest, say)
                 elif create:
@@ -249,6 +270,7 @@ def add_tables(
                     raise UserError(
                         f"table {dest} does not match the provider's {t}: {diff} (--force to skip)"
                     )
+            privileges.require(conn, privileges.owner_of(conn, [dest]))  # copied into, truncated, protected
             row_filter = filters.canonical(conn, dest, subset.where) if subset.where is not None else None
             if row_filter is not None:
                 filters.check_on_provider(src, t, row_filter)
@@ -430,47 +452,6 @@ def missing_tables(conn: psycopg.Connection, prov: psycopg.Connection, queue: st
     return [t for t in capture.set_tables(prov, queue) if t not in registered]
 
 
-def seqs(conn: psycopg.Connection, queue: str) -> list[tuple[str, str]]:
-    return conn.execute(
-        "select seq_name, dest_seq from pgcascade.subscriber_seq where queue_name = %s order by 1", (queue,)
-    ).fetchall()
-
-
-def add_seqs(
-    conn: psycopg.Connection, prov: psycopg.Connection, queue: str, names: list[str], all_seqs: bool
-) -> list[str]:
-    provided = capture.set_seqs(prov, queue)
-    wanted = provided if all_seqs else [catalog.canonical(prov, n) for n in names]
-    for s in wanted:
-        if s not in provided:
-            raise UserError(f"sequence {s} is not replicated by the provider: add it on the root first")
-        if scalar(conn, "select to_regclass(%s) is null", (s,)):
-            raise UserError(f"sequence {s} does not exist on the subscriber")
-    with conn.transaction():
-        follow_seqs(conn, queue, wanted)
-    return wanted
-
-
-def remove_seqs(conn: psycopg.Connection, queue: str, names: list[str]) -> None:
-    for n in names:
-        cur = conn.execute(
-            "delete from pgcascade.subscriber_seq where queue_name = %s and seq_name = %s",
-            (queue, catalog.canonical(conn, n)),
-        )
-        if cur.rowcount == 0:
-            raise UserError(f"sequence {n!r} is not replicated here")
-
-
-def follow_seqs(conn: psycopg.Connection, queue: str, names: list[str]) -> None:
-    """Follow these sequences of the set under their own names."""
-    for name in names:
-        conn.execute(
-            "insert into pgcascade.subscriber_seq (queue_name, seq_name, dest_seq) values (%s, %s, %s)"
-            " on conflict do nothing",
-            (queue, name, name),
-        )
-
-
 # --- the node changes role (takeover, resurrect, leaving the set) --------------------------------
 
 
@@ -505,27 +486,7 @@ def release_all(conn: psycopg.Connection, queue: str, unprotect: bool = True) ->
     for t in tables(conn, queue) if unprotect else ():
         if catalog.table_exists(conn, t.dest_table):
             conn.execute("select pgcascade.protect_table(%s::regclass, false)", (t.dest_table,))
-    followed = [s for s, _ in seqs(conn, queue)]
+    followed = [s for s, _ in seqs.seqs(conn, queue)]
     conn.execute("delete from pgcascade.subscriber_table where queue_name = %s", (queue,))
-    conn.execute("delete from pgcascade.subscriber_seq where queue_name = %s", (queue,))
+    seqs.forget_all(conn, queue)
     return followed
-
-
-def sync_sequences(prov: psycopg.Connection, sub: psycopg.Connection, queue: str) -> None:
-    """Move each followed sequence up to the provider's value (never down)."""
-    followed = seqs(sub, queue)
-    if not followed:
-        return
-    values: dict[str, int | None] = dict(
-        prov.execute(
-            "select s, pg_sequence_last_value(s::regclass) from unnest(%s::text[]) s",
-            ([s for s, _ in followed],),
-        ).fetchall()
-    )
-    for seq, dest in followed:
-        v = values.get(seq)
-        if v is not None:
-            sub.execute(
-                "select setval(%s::regclass, %s) where %s > coalesce(pg_sequence_last_value(%s::regclass), 0)",
-                (dest, v, v, dest),
-            )

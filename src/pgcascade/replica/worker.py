@@ -34,13 +34,14 @@ import psycopg
 
 from pgcascade.capture import logical as walcapture
 from pgcascade.capture import tables as set_tables
-from pgcascade.core import metrics, pgconn
+from pgcascade.core import metrics, pgconn, privileges
 from pgcascade.core.config import JobConfig
 from pgcascade.core.daemon import Daemon
-from pgcascade.core.errors import UserError, db_error_line
+from pgcascade.core.errors import UserError
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
 from pgcascade.pgq.queue import BatchInfo
+from pgcascade.replica import seqs as subscriber_seqs
 from pgcascade.replica import tables as subscriber
 from pgcascade.replica.apply import (
     APPLY_SETTINGS,
@@ -377,7 +378,7 @@ class Worker(Daemon):
         if node.role.copies_events:
             q.branch_tick(sub, self.queue, info.cur_tick_id, info.cur_tick_time, info.cur_tick_event_seq)
         nodes.record_applied(sub, self.queue, info.cur_tick_id)
-        subscriber.sync_sequences(prov, sub, self.queue)
+        subscriber_seqs.sync_sequences(prov, sub, self.queue)
         self.phases.mark("record")
         return stats
 
@@ -476,7 +477,8 @@ class Worker(Daemon):
         return self.appliers
 
     def report_error(self, e: Exception) -> None:
-        message = db_error_line(e) if isinstance(e, psycopg.Error) else str(e)
+        version = self.sub.info.server_version if self.sub is not None and not self.sub.closed else 0
+        message = privileges.explain(e, self.db, version)
         with (
             contextlib.suppress(psycopg.Error),
             pgconn.connect(self.db, autocommit=True, connect_timeout=5) as c,
