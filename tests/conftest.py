@@ -370,6 +370,33 @@ def replica(
             print(f"\n----- {name}.log -----\n{rs.log(name)[-6000:]}")
 
 
+def drop_roles(dbs: list[Database], *roles: str) -> None:
+    """Drop roles a test made on the clusters of `dbs`, with what they own there (the databases
+    go back to postgres, which make_db drops) and their grants."""
+    names = ", ".join(f'"{r}"' for r in roles)
+    for db in dbs:
+        with contextlib.suppress(psycopg.Error), db.connect() as conn:
+            conn.execute(f'alter database "{db.name}" owner to postgres')
+            conn.execute(f"reassign owned by {names} to postgres")
+            conn.execute(f"drop owned by {names}")
+    for c in {id(db.cluster): db.cluster for db in dbs}.values():
+        with contextlib.suppress(psycopg.Error), c.connect() as conn:
+            conn.execute(f"revoke set on parameter session_replication_role from {names}")
+            conn.execute(f"drop role if exists {names}")
+
+
+# connection strings that hold a secret (the password, an SSL key's): pgcascade stores none of it
+# (pgconn.without_secrets; the upgrade's SQL in migration 12 for what earlier releases stored)
+SECRET_DSNS = [
+    "host=h port=5432 password=s3cret dbname=x",
+    "password = 's3 \\'cret' host=h user=u",
+    "host=h sslpassword=k3y user=u password=s3cret",
+    "postgresql://u:s3cret@h:5433/db?sslmode=require",
+    "postgres://u@h/db?password=s3cret&application_name=a",
+    "postgresql://u:s3cret@h/db?sslpassword=k3y",
+]
+
+
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
     """/metrics of a daemon: (sample name, sorted labels) -> value."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:

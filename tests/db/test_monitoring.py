@@ -43,6 +43,8 @@ def test_json_views_and_the_lag_check_follow_a_paused_and_resumed_leaf(replica):
             "tick": None,
             "lag_seconds": 0.0,
             "pending_events": 0,
+            "last_error": None,
+            "last_error_time": None,
         }
     ]
     assert leaf["tables_per_state"] == {"ok": 1}

@@ -1,18 +1,27 @@
-"""Least privilege: what roles other than pgcascade's own can and cannot do on its nodes.
+"""Least privilege: what roles other than pgcascade's own can and cannot do on its nodes, what
+pgcascade's own role needs, and that no password is stored.
 
 An application rarely connects as the table owner.  A role that owns nothing and holds only
 SELECT/INSERT/UPDATE/DELETE/TRUNCATE on a captured table must keep writing it exactly as
 before pgcascade was there (the capture triggers run as their owner), its changes must reach
 the subscriber, and it must not be able to use pgcascade's functions for tables of its own.
+pgcascade's role is refused up front, in one line naming the grant, what it could not do later
+(docs/operations.md, "Security"); a password in a location is never stored (nor was, after the
+upgrade).  The whole set run as such roles is tests/scenario/test_least_privilege.py.
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 
 import psycopg
 import pytest
-from conftest import table_checksum
+from conftest import SECRET_DSNS, drop_roles, table_checksum
+from psycopg.conninfo import conninfo_to_dict
+
+from pgcascade.core import schema
+from pgcascade.core.pgconn import without_secrets
 
 
 def run(db, *statements: str) -> None:
@@ -90,3 +99,122 @@ def test_an_application_role_that_owns_nothing_keeps_writing_a_captured_table(re
                 f"create trigger t after insert on mine referencing new table as pgcascade_new"
                 f" for each statement execute function {fn}()"
             )
+
+
+# --- what pgcascade's own role needs: refused up front, in one line naming the grant -----------------
+
+
+@pytest.fixture
+def repl(replica) -> Iterator[str]:
+    """A login role with no privilege at all yet on either node's cluster."""
+    name = f"repl_{uuid.uuid4().hex[:8]}"
+    for db in (replica.root, replica.leaf):
+        run(db, f'create role "{name}" login')
+    yield name
+    drop_roles([replica.root, replica.leaf], name)
+
+
+def ini_as(replica, node: str, role: str) -> None:
+    """The node's ini connects as `role` from now on."""
+    path = replica.tmp / f"{node}.ini"
+    path.write_text(path.read_text().replace("user=postgres", f"user={role}"))
+
+
+def refused(replica, node: str, *args: str) -> str:
+    """The command's one-line refusal (exit 2)."""
+    r = replica.cli(node, *args, check=False)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, f"rc {r.returncode}\n{r.stdout}{r.stderr}"
+    assert r.stderr.startswith("pgcascade: role "), r.stderr
+    return r.stderr
+
+
+def test_setup_commands_name_the_grant_the_role_lacks(replica, repl):
+    for node, db in (("root", replica.root), ("leaf", replica.leaf)):
+        ini_as(replica, node, repl)
+        run(db, "create table t (id int primary key, v text)")  # owned by postgres, not by repl
+
+    assert f"GRANT CREATE ON DATABASE {replica.root.name} TO {repl}" in refused(
+        replica, "root", "create-root", "r"
+    )
+    run(replica.root, f'alter database "{replica.root.name}" owner to "{repl}"')
+    assert f"ALTER ROLE {repl} REPLICATION" in refused(
+        replica, "root", "create-root", "r", "--capture=logical"
+    )
+    assert replica.root.scalar("select to_regnamespace('pgcascade')") is None  # nothing was made
+    replica.cli("root", "create-root", "r")
+    assert f"ALTER TABLE public.t OWNER TO {repl}" in refused(replica, "root", "add-table", "t")
+    run(replica.root, f'alter table t owner to "{repl}"')
+    replica.cli("root", "add-table", "t")
+
+    # a subscriber applies with session_replication_role = replica: it needs SET on it
+    run(replica.leaf, f'alter database "{replica.leaf.name}" owner to "{repl}"')
+    provider = replica.root.connstr.replace("user=postgres", f"user={repl}")
+    srr = f"GRANT SET ON PARAMETER session_replication_role TO {repl}"
+    assert srr in refused(replica, "leaf", "create-leaf", "l", "--provider", provider)
+    run(replica.leaf, f'grant set on parameter session_replication_role to "{repl}"')
+    replica.cli("leaf", "create-leaf", "l", "--provider", provider)
+    run(replica.leaf, f'revoke set on parameter session_replication_role from "{repl}"')
+    assert srr in refused(replica, "leaf", "add-table", "t")
+    run(replica.leaf, f'grant set on parameter session_replication_role to "{repl}"')
+    assert f"ALTER TABLE public.t OWNER TO {repl}" in refused(replica, "leaf", "add-table", "t")
+    run(replica.leaf, f'alter table t owner to "{repl}"')
+    replica.cli("leaf", "add-table", "t")
+    assert replica.leaf.scalar("select count(*) from pgcascade.subscriber_table") == 1
+
+
+# --- no stored secrets ----------------------------------------------------------------------------------
+
+
+def test_locations_and_location_events_never_carry_a_password(replica):
+    root_location = f"{replica.root.connstr} password=s3cret"
+    out = replica.cli("root", "create-root", "root", root_location).stdout
+    assert "the password in location is not stored" in out
+    c = replica.root.cluster
+    provider = f"postgresql://postgres:s3cret@{c.address}:{c.port}/{replica.root.name}?application_name=x"
+    out = replica.cli("leaf", "create-leaf", "leaf1", "--provider", provider).stdout
+    assert "the password in --provider is not stored" in out
+
+    for db in (replica.root, replica.leaf):
+        stored = dict(db.connect().execute("select node_name, node_location from pgcascade.node_location"))
+        assert set(stored) == {"root", "leaf1"} and not any("s3cret" in loc for loc in stored.values())
+        assert conninfo_to_dict(stored["root"])["dbname"] == replica.root.name
+    events = [
+        r[0]
+        for r in replica.root.connect().execute(
+            "select ev_extra1 from pgcascade.event where ev_type = 'pgcascade.location'"
+        )
+    ]
+    assert events and not any("s3cret" in e for e in events)
+    leaf_view = replica.leaf.scalar(
+        "select node_location from pgcascade.node_location where node_name = 'root'"
+    )
+    expected = {k: v for k, v in conninfo_to_dict(provider).items() if k != "password"}
+    assert conninfo_to_dict(leaf_view) == expected  # the provider as given, but its password
+
+
+def test_the_upgrade_takes_passwords_out_of_stored_locations(make_db):
+    """Migration 12 cleans what earlier releases stored, as pgconn.without_secrets would."""
+    db = make_db()
+    kept = ["host=h dbname=x", "host=h passfile=/etc/pgcascade/pgpass dbname=x"]
+    with db.connect() as conn:
+        schema.install(conn, target=11, with_functions=False)
+        conn.execute("create table pgcascade.event_old partition of pgcascade.event for values in (1000)")
+        for i, dsn in enumerate(SECRET_DSNS + kept):
+            conn.execute("insert into pgcascade.node_location values ('q', %s, %s)", (f"n{i}", dsn))
+            conn.execute(
+                "insert into pgcascade.event (ev_id, ev_time, ev_part, ev_type, ev_data, ev_extra1)"
+                " values (%s, now(), 1000, 'pgcascade.location', %s, %s)",
+                (i, f"n{i}", dsn),
+            )
+        conn.execute(  # not a location: left alone
+            "insert into pgcascade.event (ev_id, ev_time, ev_part, ev_type, ev_data, ev_extra1)"
+            " values (99, now(), 1000, 'I', '{}', 'password=not-a-location')"
+        )
+        schema.install(conn)
+        locations = dict(conn.execute("select node_name, node_location from pgcascade.node_location"))
+        events = dict(conn.execute("select ev_id, ev_extra1 from pgcascade.event"))
+    for i, dsn in enumerate(SECRET_DSNS + kept):
+        for cleaned in (locations[f"n{i}"], events[i]):
+            assert conninfo_to_dict(cleaned) == conninfo_to_dict(without_secrets(dsn)), (dsn, cleaned)
+            assert "s3" not in cleaned and "k3y" not in cleaned
+    assert locations["n6"] == kept[0] and events[99] == "password=not-a-location"

@@ -3,9 +3,13 @@
 import time
 
 import pytest
+from conftest import SECRET_DSNS
+from psycopg.conninfo import conninfo_to_dict
 
 from pgcascade.core.errors import redact
 from pgcascade.core.hooks import pause_point
+from pgcascade.core.pgconn import has_secret, without_secrets
+from pgcascade.core.privileges import grant_hint, quote_ident
 from pgcascade.pgq.node import NodeRole, NodeType
 from pgcascade.pipeline import segments as sg
 from pgcascade.pipeline.compare import diff_keys, range_buckets
@@ -31,6 +35,34 @@ def test_node_roles_follow_the_skytools_table():
 def test_passwords_never_reach_a_log_line(text, hidden):
     assert hidden not in redact(text)
     assert "***" in redact(text)
+
+
+@pytest.mark.parametrize("dsn", SECRET_DSNS)
+def test_a_stored_location_keeps_everything_but_the_password(dsn):
+    stored = without_secrets(dsn)
+    assert has_secret(dsn) and not has_secret(stored)
+    assert "s3" not in stored and "k3y" not in stored
+    kept = {k: v for k, v in conninfo_to_dict(dsn).items() if k not in ("password", "sslpassword")}
+    assert conninfo_to_dict(stored) == kept
+    assert without_secrets("host=h dbname=x") == "host=h dbname=x"  # untouched when there is none
+
+
+def test_a_refused_daemon_is_told_the_grant_to_run():
+    srr = 'permission denied to set parameter "session_replication_role"'
+    assert (
+        grant_hint(srr, "repl", 150000)
+        == "as a superuser, GRANT SET ON PARAMETER session_replication_role TO repl"
+    )
+    assert "only superusers" in grant_hint(srr, "repl", 140000) and "ALTER ROLE repl SUPERUSER" in grant_hint(
+        srr, "repl", 140000
+    )
+    assert "15+" in grant_hint(srr, "repl", 0)
+    slot = "must be superuser or replication role to use replication slots"
+    assert "ALTER ROLE repl REPLICATION" in grant_hint(slot, "repl", 150000)
+    table = "permission denied for table pgbench_accounts"
+    assert "ALTER TABLE pgbench_accounts OWNER TO repl" in grant_hint(table, "repl", 150000)
+    assert "owner of schema pgcascade" in grant_hint("permission denied for schema pgcascade", "repl", 0)
+    assert quote_ident("Repl Role") == '"Repl Role"' and quote_ident("repl_1") == "repl_1"
 
 
 def test_cut_points_spread_a_sorted_sample_evenly_and_never_repeat_a_cut():

@@ -31,11 +31,11 @@ $$;
 
 update pgcascade.node_location
    set node_location = pg_temp.pgcascade_without_secrets(node_location)
- where node_location ~ 'password';
+ where node_location <> pg_temp.pgcascade_without_secrets(node_location);
 
 update pgcascade.event
    set ev_extra1 = pg_temp.pgcascade_without_secrets(ev_extra1)
- where ev_type = 'pgcascade.location' and ev_extra1 ~ 'password';
+ where ev_type = 'pgcascade.location' and ev_extra1 <> pg_temp.pgcascade_without_secrets(ev_extra1);
 
 drop function pg_temp.pgcascade_without_secrets(text);
 
