@@ -22,6 +22,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from pgcascade.core import schema
 from pgcascade.core.pgconn import without_secrets
+from pgcascade.dev.localcluster import wait_until
 
 
 def run(db, *statements: str) -> None:
@@ -218,3 +219,43 @@ def test_the_upgrade_takes_passwords_out_of_stored_locations(make_db):
             assert conninfo_to_dict(cleaned) == conninfo_to_dict(without_secrets(dsn)), (dsn, cleaned)
             assert "s3" not in cleaned and "k3y" not in cleaned
     assert locations["n6"] == kept[0] and events[99] == "password=not-a-location"
+
+
+def test_a_capture_daemon_refused_its_slot_says_what_to_grant_and_recovers(replica, repl):
+    """Logical capture as an ordinary role (the database's owner, REPLICATION): the daemon that
+    loses REPLICATION shows the grant in status --check, and once it is back captures on."""
+    run(
+        replica.root,
+        f'alter database "{replica.root.name}" owner to "{repl}"',
+        f'alter role "{repl}" replication',
+    )
+    ini_as(replica, "root", repl)
+    with replica.root.connect() as conn:
+        conn.execute(f'set role "{repl}"')
+        conn.execute("create table t (id int primary key, v text)")
+        conn.execute("insert into t select i, 'v' || i from generate_series(1, 50) i")
+    replica.cli("root", "create-root", "root", "--capture=logical")
+    replica.cli("root", "add-table", "t")
+    replica.cli(
+        "leaf",
+        "create-leaf",
+        "leaf1",
+        "--provider",
+        replica.root.connstr.replace("user=postgres", f"user={repl}"),
+    )
+    replica.cli("leaf", "add-table", "t", "--create")
+    run(replica.root, f'alter role "{repl}" noreplication')
+    replica.daemons.start(str(replica.root_ini), "capture")
+    replica.start_ticker()
+    replica.start_worker()
+
+    def critical() -> str | None:
+        r = replica.cli("root", "status", "--check", check=False)
+        return r.stdout if r.returncode == 2 and f"ALTER ROLE {repl} REPLICATION" in r.stdout else None
+
+    assert "capture error" in wait_until(critical, timeout=60, what="the capture daemon's refusal in status")
+    run(replica.root, f'alter role "{repl}" replication')
+    run(replica.root, "update t set v = v || '!' where id % 2 = 0", "insert into t values (51, 'after')")
+    replica.wait_sync()
+    replica.assert_equal("public.t")
+    assert replica.cli("root", "status", "--check").stdout.startswith("OK root")

@@ -59,6 +59,10 @@ def test_a_refused_daemon_is_told_the_grant_to_run():
     assert "15+" in grant_hint(srr, "repl", 0)
     slot = "must be superuser or replication role to use replication slots"
     assert "ALTER ROLE repl REPLICATION" in grant_hint(slot, "repl", 150000)
+    stream = "connection failed: ... FATAL:  must be superuser or replication role to start walsender"
+    assert "ALTER ROLE repl REPLICATION" in grant_hint(stream, "repl", 150000)
+    login = 'connection failed: ... FATAL:  permission denied for database "shop"'
+    assert 'GRANT CONNECT ON DATABASE "shop" TO repl' in grant_hint(login, "repl", 150000)
     table = "permission denied for table pgbench_accounts"
     assert "ALTER TABLE pgbench_accounts OWNER TO repl" in grant_hint(table, "repl", 150000)
     assert "owner of schema pgcascade" in grant_hint("permission denied for schema pgcascade", "repl", 0)

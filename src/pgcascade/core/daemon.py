@@ -202,9 +202,7 @@ class Daemon:
                     metrics.UP.labels(self.name, self.cfg.job_name).set(0)
                 self.error_backoff = min(max(self.error_backoff * 2, 1.0), 30.0)
                 detail = (  # a missing privilege: with the grant to run
-                    privileges.explain(e, self.cfg.db)
-                    if isinstance(e, psycopg.errors.InsufficientPrivilege)
-                    else redact(str(e)).strip()
+                    privileges.explain(e, self.cfg.db) if privileges.is_refusal(e) else redact(str(e)).strip()
                 )
                 log.error("%s: %s (retrying in %.0fs)", type(e).__name__, detail, self.error_backoff)
                 log.debug("traceback", exc_info=True)

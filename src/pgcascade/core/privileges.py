@@ -227,6 +227,9 @@ def create_in(conn: psycopg.Connection, schema_name: str) -> Missing | None:
 
 # --- a daemon refused ------------------------------------------------------------------------------
 
+# a refusal for want of a privilege: insufficient_privilege, or a connection the server refused
+# for one (a failed connection carries no SQLSTATE, only the server's FATAL message)
+_REFUSED = re.compile(r"permission denied|must be superuser|must be owner|only superusers")
 _DENIED_ON = re.compile(
     r"(?:permission denied for|must be owner of) (table|relation|sequence|schema|database) (\S+)"
 )
@@ -241,13 +244,20 @@ def role_of(dsn: str | None) -> str:
     return str(user or os.environ.get("PGUSER") or getpass.getuser())
 
 
+def is_refusal(e: Exception) -> bool:
+    """Whether the server refused for want of a privilege."""
+    return isinstance(e, psycopg.errors.InsufficientPrivilege) or (
+        isinstance(e, psycopg.OperationalError) and bool(_REFUSED.search(str(e)))
+    )
+
+
 def explain(e: Exception, dsn: str | None, version: int = 0) -> str:
     """One line for a failed round of a daemon connected with `dsn` (for its log and `status`):
     the server's message, and for a missing privilege the grant to run."""
     if not isinstance(e, psycopg.Error):
         return redact(str(e)).strip()
     line = db_error_line(e)
-    if not isinstance(e, psycopg.errors.InsufficientPrivilege):
+    if not is_refusal(e):
         return line
     return f"{line}: {grant_hint(line, role_of(dsn), version)}"
 
@@ -257,15 +267,16 @@ def grant_hint(line: str, role: str, version: int) -> str:
     if "session_replication_role" in line:
         return replica_role_grant(role, version)
     role = quote_ident(role)
-    if "replication slot" in line or "replication role" in line:
+    if "replication slot" in line or "replication role" in line or "walsender" in line:
         return f"as a superuser, ALTER ROLE {role} REPLICATION (Amazon RDS, Aurora: GRANT rds_replication TO {role})"
     if "pg_replication_origin" in line:
         return f"as a superuser, GRANT EXECUTE ON FUNCTION {', '.join(f + '(text)' for f in ORIGIN_FUNCTIONS)} TO {role}"
     m = _DENIED_ON.search(line)
     if m and m.group(1) == "schema" and m.group(2) == "pgcascade":
         return "connect as the owner of schema pgcascade, the role that installed it"
-    if m and m.group(1) == "database":
-        return f"GRANT CREATE ON DATABASE {m.group(2)} TO {role}"
+    if m and m.group(1) == "database":  # at login: CONNECT; later: CREATE (the schema)
+        needed = "CONNECT" if "FATAL" in line else "CREATE"
+        return f"GRANT {needed} ON DATABASE {m.group(2)} TO {role}"
     if m and m.group(1) in ("table", "relation", "sequence"):
         return f"pgcascade's role owns the tables it replicates: ALTER TABLE {m.group(2)} OWNER TO {role}"
     return f"a privilege pgcascade's role needs is missing ({DOCS})"
