@@ -259,3 +259,24 @@ def test_a_capture_daemon_refused_its_slot_says_what_to_grant_and_recovers(repli
     replica.wait_sync()
     replica.assert_equal("public.t")
     assert replica.cli("root", "status", "--check").stdout.startswith("OK root")
+
+
+def test_add_peer_names_the_grant_a_master_lacks(replica, repl):
+    """A two-way master applies its peers' changes: SET on session_replication_role."""
+    for node, db in (("root", replica.root), ("leaf", replica.leaf)):
+        run(db, f'alter database "{db.name}" owner to "{repl}"')
+        ini_as(replica, node, repl)
+    leaf_ini = replica.tmp / "leaf.ini"  # every master is the root of a queue of its own
+    leaf_ini.write_text(leaf_ini.read_text().replace("queue_name = rep", "queue_name = rep_b"))
+    replica.cli("root", "create-root", "a")
+    replica.cli("leaf", "create-root", "b")
+    b = replica.leaf.connstr.replace("user=postgres", f"user={repl}")
+    srr = f"GRANT SET ON PARAMETER session_replication_role TO {repl}"
+    assert srr in refused(replica, "root", "add-peer", "b", "--location", f"{b} password=s3cret")
+    assert replica.root.scalar("select count(*) from pgcascade.node") == 1  # nothing was made
+    run(replica.root, f'grant set on parameter session_replication_role to "{repl}"')
+    out = replica.cli("root", "add-peer", "b", "--location", f"{b} password=s3cret").stdout
+    assert "the password in --location is not stored" in out
+    assert "s3cret" not in replica.root.scalar(
+        "select string_agg(node_location, ' ') from pgcascade.node_location"
+    )

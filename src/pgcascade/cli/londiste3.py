@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from pgcascade.cascade import londiste
-from pgcascade.cli.context import Context, pass_ctx, say
+from pgcascade.cli.context import Context, note_secrets, pass_ctx, say
 from pgcascade.core import schema
 from pgcascade.core.daemon import pid_alive, read_pid
 from pgcascade.core.errors import UserError
@@ -67,6 +67,7 @@ def import_londiste(ctx: Context, londiste_ini: Path, dry_run: bool) -> None:
             click.echo(londiste.import_root(conn, node, say))
         else:
             click.echo(londiste.import_subscriber(conn, node, say))
+    note_secrets({f"{name}'s location": location for name, (location, _) in node.locations.items()})
 
 
 @click.command("drop-londiste")
