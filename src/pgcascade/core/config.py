@@ -63,7 +63,9 @@ class TickerSettings:
         0.02, "how often each database is asked whether a queue needs a tick", minimum=0.001
     )
     retry_period: float = setting(1.0, "moving due retry events back into their queues", minimum=0.01)
-    maint_period: float = setting(10.0, "rotation and tick cleanup", minimum=0.01)
+    maint_period: float = setting(
+        10.0, "rotation, tick cleanup, new partitions' capture triggers", minimum=0.01
+    )
     vacuum_period: float = setting(300.0, "VACUUM of the small, often-updated queue tables", minimum=0.01)
     discover_period: float = setting(60.0, "looking for new databases with pgcascade installed", minimum=0.01)
     base_connstr: str = setting("", "connection string the database names of database_list are added to")

@@ -147,7 +147,6 @@ create or replace function pgcascade.maint_capture_partitions(i_queue text) retu
 language plpgsql as $$
 declare
     t record;
-    p record;
     n int4 := 0;
     v_old_timeout text := current_setting('lock_timeout');
 begin
@@ -161,11 +160,7 @@ begin
                 n := n + pgcascade.capture_partitions(t.rel);
             elsif exists (select 1 from pgcascade.walcapture where queue_name = i_queue)
                   and (select relreplident from pg_class where oid = t.rel) = 'f' then
-                for p in select c.oid::regclass as rel from pg_partition_tree(t.rel) pt join pg_class c on c.oid = pt.relid
-                          where c.relkind = 'r' and c.relreplident <> 'f' loop
-                    execute format('alter table %s replica identity full', p.rel);
-                    n := n + 1;
-                end loop;
+                n := n + pgcascade.walcapture_full_identity(t.rel);
             end if;
         exception when lock_not_available then
             null;  -- the next round

@@ -20,6 +20,24 @@ language sql stable as $$
              where a.attrelid = i_table and a.attnum > 0 and not a.attisdropped) c
 $$;
 
+-- pgcascade.walcapture_full_identity(table) -> tables set to REPLICA IDENTITY FULL now: the table
+-- and, a partitioned one, its partitions (pgoutput logs a partition's old rows by the
+-- partition's own identity; those attached later: maint_capture_partitions).
+create or replace function pgcascade.walcapture_full_identity(i_table regclass) returns int4
+language plpgsql as $$
+declare
+    r record;
+    n int4 := 0;
+begin
+    for r in select c.oid::regclass as rel from pg_class c
+              where (c.oid = i_table or c.oid in (select relid from pg_partition_tree(i_table)))
+                and c.relkind in ('r', 'p') and c.relreplident <> 'f' loop
+        execute format('alter table %s replica identity full', r.rel);
+        n := n + 1;
+    end loop;
+    return n;
+end $$;
+
 -- pgcascade.walcapture_add_table(queue, table, key_columns) -> the replica identity set
 -- ('default' or 'full').  Adds the table to the queue's publication.  REPLICA IDENTITY FULL is
 -- set when the key is not the primary key (pgoutput sends the old row's identity columns
@@ -30,7 +48,6 @@ language plpgsql as $$
 declare
     w pgcascade.walcapture;
     pk text[];
-    v_part record;
     v_ident text := 'default';
 begin
     select * into w from pgcascade.walcapture where queue_name = i_queue;
@@ -44,13 +61,7 @@ begin
     if pk is distinct from i_keys or pgcascade.walcapture_needs_full_identity(i_table)
        or (select relreplident from pg_class where oid = i_table) = 'n' then
         v_ident := 'full';
-        -- a partitioned table: pgoutput logs a partition's old rows by the partition's own
-        -- identity (new partitions: maint_capture_partitions)
-        for v_part in select c.oid::regclass as rel from pg_class c
-                       where (c.oid = i_table or c.oid in (select relid from pg_partition_tree(i_table)))
-                         and c.relkind in ('r', 'p') and c.relreplident <> 'f' loop
-            execute format('alter table %s replica identity full', v_part.rel);
-        end loop;
+        perform pgcascade.walcapture_full_identity(i_table);
     end if;
     if not exists (select 1 from pg_publication_rel r join pg_publication p on p.oid = r.prpubid
                     where p.pubname = w.publication and r.prrelid = i_table) then
