@@ -78,7 +78,7 @@ def create_subscriber(
                 f"--merge={merge}: a merge-leaf needs the combined set's root or branch in this database first"
             )
     with pgconn.connect(provider_connstr, autocommit=True, connect_timeout=10) as prov:
-        privileges.require(prov, privileges.schema(prov), where="on the provider")
+        privileges.require(prov, privileges.schema(prov, installs=False), where="on the provider")
         pnode = nodes.get_node(prov, queue)
         if pnode is None or not pnode.role.has_queue:
             raise UserError(f"the provider is not a root or branch of set {queue!r}")

@@ -72,7 +72,7 @@ def add_peer(
     )
     own_location = nodes.node_location(conn, own_queue, me.node_name)
     with pgconn.connect(location, autocommit=True, connect_timeout=10) as prov:
-        privileges.require(prov, privileges.schema(prov), where=f"on master {peer}")
+        privileges.require(prov, privileges.schema(prov, installs=False), where=f"on master {peer}")
         require_commit_timestamps(prov, f"master {peer}")
         queue = peer_queue(prov, peer)
         if queue == own_queue:

@@ -38,6 +38,7 @@ from pgcascade.cascade.join import announce_location
 from pgcascade.cascade.provider import change_provider, forget_subscriber
 from pgcascade.cascade.survey import Member, connect, last_tick_of, member_location, reach, reporters, survey
 from pgcascade.cascade.waits import Say, wait_for
+from pgcascade.core import privileges
 from pgcascade.core.errors import RuntimeFailure, UserError
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
@@ -115,6 +116,10 @@ def switchover(
     with connect(old_loc) as old:
         onode = nodes.require_node(old, queue)
         refuse_logical_capture(old, queue, old_name, "a switchover")
+        # the old root becomes a branch: it applies from then on (core/privileges.py)
+        privileges.require(
+            old, privileges.replica_role(old), where=f"on {old_name}, the root that becomes a branch"
+        )
         check_write_readiness(new, old, queue, say, force)
 
         def close_behind() -> str | None:

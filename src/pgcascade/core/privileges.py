@@ -150,9 +150,10 @@ def replication_origins(conn: psycopg.Connection) -> Missing | None:
     )
 
 
-def schema(conn: psycopg.Connection) -> Missing | None:
+def schema(conn: psycopg.Connection, installs: bool = True) -> Missing | None:
     """Every node: the role installs and upgrades the schema pgcascade, so it owns it (or may
-    create it: CREATE on the database)."""
+    create it: CREATE on the database).  `installs` False: another node's, which is not
+    installed there by this command (its absence is said otherwise)."""
     role = quote_ident(scalar(conn, "select current_user"))
     row = conn.execute(
         "select nspowner::regrole::text, pg_has_role(nspowner, 'usage') from pg_namespace where nspname = 'pgcascade'"
@@ -166,6 +167,8 @@ def schema(conn: psycopg.Connection) -> Missing | None:
             "pgcascade's role installs and upgrades its functions there",
             f"connect as {owner}, or GRANT {owner} TO {role}",
         )
+    if not installs:
+        return None
     db, can_create = one(
         conn, "select current_database(), has_database_privilege(current_database(), 'create')"
     )
