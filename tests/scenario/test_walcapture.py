@@ -289,9 +289,11 @@ def test_slot_dropped_shows_in_status_and_is_made_again(replica):
         what="the insert captured after the slot was made again",
     )
     assert "capture error" not in r.cli("root", "status").stdout
-    # a second daemon cannot read the same slot
-    second = r.cli("root", "capture", check=False, timeout=30)
-    assert second.returncode != 0 and "already running" in second.stderr
+    # a second daemon, from another ini and pidfile, is refused at once naming the first
+    r.ini("root_again", r.root)
+    second = r.cli("root_again", "capture", check=False, timeout=30)
+    assert second.returncode == 1, second.stderr
+    assert "a capture for set rep in this database runs already: pid " in second.stderr, second.stderr
 
 
 def test_tables_copied_under_load_end_equal(replica):

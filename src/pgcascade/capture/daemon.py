@@ -53,6 +53,7 @@ from pgcascade.capture.pgoutput import (
 from pgcascade.core import metrics, pgconn, privileges
 from pgcascade.core.config import JobConfig
 from pgcascade.core.daemon import Daemon
+from pgcascade.core.daemonlock import DaemonRole
 from pgcascade.core.errors import RuntimeFailure, UserError, redact
 from pgcascade.core.hooks import pause_point
 from pgcascade.core.pgconn import one, scalar
@@ -79,6 +80,7 @@ class WalCapture(Daemon):
 
     name = "capture"
     default_loop_delay = 0.02
+    lock_role = DaemonRole.CAPTURE
 
     def __init__(self, cfg: JobConfig):
         super().__init__(cfg)

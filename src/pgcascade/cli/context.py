@@ -159,4 +159,6 @@ def control_or_start(
         click.echo(f"{cfg.job_name} (pid {pid}): {ctl} sent")
         return
     setup_logging(cfg.logfile, verbose=ctx.verbose, quiet=ctx.quiet, to_stderr=not detach)
-    make_daemon(cfg).start(detach=detach)
+    code = make_daemon(cfg).start(detach=detach)
+    if code:
+        raise SystemExit(code)  # it stopped on an error it logged (another daemon took its lock)

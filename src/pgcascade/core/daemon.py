@@ -4,7 +4,10 @@ A subclass implements `work() -> bool` (True: there may be more to do at once; F
 `loop_delay` or until `wake_up()`).  The base owns what every daemon needs and what Skytools
 daemons do: a pidfile that refuses a second copy, `-d` (detach), signals (SIGINT: stop after
 the current unit of work, `-s`; SIGTERM: stop now, `-k`; SIGHUP: reload, `-r`), logging to the
-logfile, and a back-off after errors so a database restart does not become a tight loop.
+logfile, and a back-off after errors so a database restart does not become a tight loop.  A
+daemon that a node runs once (`lock_role`: the worker, the capture daemon) holds its lock in
+the node's database and checks it before every round (core/daemonlock.py): a second copy is
+refused whatever its ini and pidfile, and one that lost its lock to another stops.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import psycopg
 
 from pgcascade.core import metrics, privileges
 from pgcascade.core.config import JobConfig, load_config
+from pgcascade.core.daemonlock import AlreadyRunning, DaemonLock, DaemonRole
 from pgcascade.core.errors import ConfigError, RuntimeFailure, UserError, redact
 
 log = logging.getLogger("pgcascade")
@@ -112,6 +116,7 @@ class Daemon:
 
     name = "daemon"
     default_loop_delay = 1.0  # seconds between idle rounds when the config sets no loop_delay
+    lock_role: DaemonRole | None = None  # one per node and queue: held in the database (claim)
 
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
@@ -120,6 +125,8 @@ class Daemon:
         self.loop_delay = cfg.loop_delay or self.default_loop_delay
         self.error_backoff = 0.0
         self.metrics = False  # /metrics is served (metrics_port set)
+        self.lock: DaemonLock | None = None
+        self.exit_code = 0
 
     # --- to implement ---
     def work(self) -> bool:
@@ -153,26 +160,53 @@ class Daemon:
         while not self.stop_requested and time.monotonic() < deadline:
             time.sleep(min(0.1, deadline - time.monotonic()))
 
+    # --- the lock in the database (core/daemonlock.py) ---
+    def claim(self) -> None:
+        """Take the daemon's lock before the first round: AlreadyRunning refuses the start.  An
+        unreachable database is no refusal: the lock is taken before the first round there."""
+        if self.lock_role is None or not self.cfg.db:
+            return
+        self.lock = DaemonLock(
+            self.cfg.db, self.lock_role, self.cfg.queue_name or "", self.cfg.job_name, str(self.cfg.path)
+        )
+        try:
+            self.lock.acquire()
+        except psycopg.OperationalError as e:
+            log.warning("cannot take the %s lock yet (%s): taken before the first round", self.name, e)
+
+    def keep_lock(self) -> None:
+        """Before a round: still the one daemon (a lost lock taken again, or AlreadyRunning)."""
+        if self.lock is not None:
+            self.lock.keep()
+
+    def release_lock(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+
     # --- lifecycle ---
     def start(self, detach: bool = False) -> int:
         if detach:
             if not self.cfg.logfile or not self.cfg.pidfile:
                 raise UserError(f"{self.cfg.path}: -d needs logfile and pidfile in the config")
             self._check_not_running()  # before detaching, while the user still sees the error
+            self.claim()  # the lock's connection goes with the detached process
             daemonize()
             setup_logging(self.cfg.logfile, to_stderr=False)
         self._install_signals()  # before the pidfile: `-s` finds the pid only once they are in place
         self._take_pidfile()
-        self.metrics = metrics.serve(
-            self.cfg.metrics_port, self.cfg.metrics_address, self.name, self.cfg.job_name
-        )
         try:
+            if not detach:
+                self.claim()
+            self.metrics = metrics.serve(
+                self.cfg.metrics_port, self.cfg.metrics_address, self.name, self.cfg.job_name
+            )
             log.info("%s %s starting (pid %d)", self.name, self.cfg.job_name, os.getpid())
             self.run_loop()
             log.info("%s %s stopped", self.name, self.cfg.job_name)
-            return 0
+            return self.exit_code
         finally:
             self.shutdown()
+            self.release_lock()
             self._release_pidfile()
 
     def run_loop(self) -> None:
@@ -186,6 +220,7 @@ class Daemon:
                     log.error("%s; keeping the config loaded before", e)
                 self.reload()
             try:
+                self.keep_lock()
                 busy = self.work()
                 if self.error_backoff:
                     self.recovered()
@@ -194,6 +229,10 @@ class Daemon:
                 self.error_backoff = 0.0
             except (KeyboardInterrupt, SystemExit):
                 raise
+            except AlreadyRunning as e:
+                log.error("%s: stopping", e)
+                self.exit_code = 1
+                break
             except Exception as e:
                 if isinstance(e, psycopg.OperationalError):
                     self.drop_connections()  # one reconnect rule for every daemon

@@ -19,6 +19,7 @@ from pgcascade.capture import logical
 from pgcascade.capture import tables as set_tables
 from pgcascade.cascade import survey
 from pgcascade.core import pgconn
+from pgcascade.core.daemonlock import DaemonRole, DaemonState, daemon_state
 from pgcascade.core.errors import db_error_line, redact
 from pgcascade.core.pgconn import scalar
 from pgcascade.monitor import copies
@@ -37,6 +38,19 @@ def seconds(td: timedelta | None) -> float | None:
 
 def timestamp(t: datetime | None) -> str | None:
     return None if t is None else t.isoformat()
+
+
+def human(s: float | None) -> str:
+    """A length of time for people: 340 ms, 12.5 s, 2.0 min, 1.5 h."""
+    if s is None:
+        return "-"
+    if s < 1:
+        return f"{s * 1000:.0f} ms"
+    if s < 120:
+        return f"{s:.1f} s"
+    if s < 7200:
+        return f"{s / 60:.1f} min"
+    return f"{s / 3600:.1f} h"
 
 
 @dataclass
@@ -176,6 +190,7 @@ def node_report(conn: psycopg.Connection, node: nodes.Node) -> dict[str, Any]:
             report["ticks_behind"] = lag.ticks_behind
             report["provider_reachable"] = lag.provider_reachable
             report["provider_error"] = lag.provider_error
+        report["daemons"] = daemons_report(conn, node)
         if node.role.captures_changes:
             report["capture"] = capture_report(conn, node.queue_name)
         if node.role.has_queue:
@@ -259,6 +274,51 @@ def capture_report(conn: psycopg.Connection, queue: str) -> dict[str, Any]:
     }
 
 
+def daemons_report(conn: psycopg.Connection, node: nodes.Node) -> list[dict[str, Any]]:
+    """The node's daemons, each running (its lock held) or when it was last seen, and whether
+    its absence is critical: the worker of a subscriber (or of a master with peers), the
+    capture daemon of a logical root, and a ticker that ran here (a root may be ticked by
+    pgqd instead; a root's worker without peers has nothing to do)."""
+    worker_needed = node.role.reads_provider_queue or (
+        node.role.is_root and bool(nodes.peers(conn, node.queue_name))
+    )
+    wanted = [(daemon_state(conn, DaemonRole.WORKER, node.queue_name), worker_needed)]
+    if node.role.has_queue:
+        ticker = daemon_state(conn, DaemonRole.TICKER, "")
+        wanted.append((ticker, ticker.seen))
+    if node.role.is_root and logical.is_logical(conn, node.queue_name):
+        wanted.append((daemon_state(conn, DaemonRole.CAPTURE, node.queue_name), True))
+    return [daemon_entry(state, needed) for state, needed in wanted]
+
+
+def daemon_entry(d: DaemonState, needed: bool) -> dict[str, Any]:
+    return {
+        "role": d.role.value,
+        "running": d.running,
+        "critical": needed and not d.running,
+        "job": d.job_name,
+        "host": d.host,
+        "pid": d.pid,
+        "started": timestamp(d.started),
+        "last_seen": timestamp(d.heartbeat),
+        "last_seen_seconds": seconds(d.since_heartbeat),
+        "stopped": timestamp(d.stopped),
+    }
+
+
+def daemon_line(d: dict[str, Any]) -> str:
+    """One daemon in words: 'worker not running (last seen 2.0 min ago, killed)'."""
+    if d["running"]:
+        return (
+            f"{d['role']} running, pid {d['pid']} on {d['host']} (job {d['job']}),"
+            f" last loop {human(d['last_seen_seconds'])} ago"
+        )
+    if d["last_seen"] is None:
+        return f"{d['role']} not running (never started here)"
+    how = "stopped" if d["stopped"] else "did not stop cleanly"
+    return f"{d['role']} not running (last seen {human(d['last_seen_seconds'])} ago, pid {d['pid']} on {d['host']}, {how})"
+
+
 def members_report(conn: psycopg.Connection, queue: str) -> list[dict[str, Any]]:
     """Every node this node knows, each read from its own database when it answers."""
     return [
@@ -282,10 +342,11 @@ class Verdict:
 
 
 def check(report: dict[str, Any], max_lag: float | None) -> Verdict:
-    """`status --check`: critical when the lag (a delayed leaf's beyond its delay) is over
-    `max_lag` or unknown, the provider does not answer, or the node or a table's copy has an
-    error; ok otherwise (a root: its error and capture only)."""
-    problems = []
+    """`status --check`: critical when a daemon the node needs is not running, the lag (a
+    delayed leaf's beyond its delay) is over `max_lag` or unknown, the provider does not answer,
+    or the node or a table's copy has an error; ok otherwise (a root: its daemons, its error and
+    capture only)."""
+    problems = [daemon_line(d) for d in report.get("daemons", []) if d["critical"]]
     delay = report.get("apply_delay_seconds")
     beyond = f" beyond the {delay:g} s apply delay" if delay else ""
     if report.get("last_error"):

@@ -20,16 +20,7 @@ from pgcascade.pgq.node import Node
 
 
 def fmt_interval(td: timedelta | None) -> str:
-    if td is None:
-        return "-"
-    s = td.total_seconds()
-    if s < 1:
-        return f"{s * 1000:.0f} ms"
-    if s < 120:
-        return f"{s:.1f} s"
-    if s < 7200:
-        return f"{s / 60:.1f} min"
-    return f"{s / 3600:.1f} h"
+    return report.human(None if td is None else td.total_seconds())
 
 
 def queue_tables(conn: psycopg.Connection) -> Group:
@@ -174,11 +165,13 @@ def print_node_status(conn: psycopg.Connection, node: Node) -> None:
         console.print(queue_tables(conn))
         console.print(watermark_table(conn, node.queue_name))
     if node.role.captures_changes:
+        print_daemons(console, {"daemons": report.daemons_report(conn, node)})
         peers = report.peers_report(conn, node.queue_name)
         if peers:
             console.print(peer_table(peers))
         return
     r = report.node_report(conn, node)
+    print_daemons(console, r)
     if not r["provider_reachable"]:
         console.print(f"provider {node.provider_node}: [red]unreachable[/red] ({r['provider_error']})")
     console.print(f"provider: {node.provider_node}")
@@ -207,6 +200,15 @@ def print_node_status(conn: psycopg.Connection, node: Node) -> None:
             console.print(
                 f"[red]copy of {row['table']}[/red] ({row['last_error_time']}): {row['last_error']}"
             )
+
+
+def print_daemons(console: Console, r: dict) -> None:
+    """One line per daemon of the node: running, or when it was last seen (red when needed)."""
+    for d in r["daemons"]:
+        words = report.daemon_line(d)
+        role, _, rest = words.partition(" ")
+        colour = "red" if d["critical"] else "yellow" if not d["running"] else "green"
+        console.print(f"{role}: [{colour}]{rest}[/{colour}]", highlight=False, soft_wrap=True)
 
 
 def peer_table(peers: list[dict]) -> Table:

@@ -20,10 +20,13 @@ from psycopg import sql
 from pgcascade.core import metrics, pgconn, privileges
 from pgcascade.core.config import JobConfig
 from pgcascade.core.daemon import Daemon
+from pgcascade.core.daemonlock import AlreadyRunning, DaemonLock, DaemonRole
 from pgcascade.core.errors import db_error_line
 from pgcascade.core.pgconn import scalar
 
 log = logging.getLogger("pgcascade.ticker")
+
+REFUSED_RETRY = 30.0  # seconds before a database another ticker serves is tried again
 
 
 def conninfo_for(base: str, dbname: str) -> str:
@@ -32,10 +35,11 @@ def conninfo_for(base: str, dbname: str) -> str:
 
 @dataclass
 class DatabaseTicker:
-    """The ticker's state for one database."""
+    """The ticker's state for one database.  Its connection is the one that holds the ticker's
+    lock in that database (core/daemonlock.py): one ticker per database, whatever its config."""
 
     name: str
-    connstr: str
+    lock: DaemonLock
     conn: psycopg.Connection | None = None
     down_since: float | None = None
     reconnect_at: float = 0.0
@@ -44,16 +48,19 @@ class DatabaseTicker:
     next_maint: float = 0.0
     next_vacuum: float = 0.0
     ticks: int = 0
+    refused: str | None = None  # another ticker serves this database: its description
 
     def connect(self) -> psycopg.Connection:
-        if self.conn is None or self.conn.closed:
-            self.conn = pgconn.connect(self.connstr, autocommit=True, connect_timeout=5)
-            self.conn.execute("set application_name = 'pgcascade ticker'")
+        """The lock's connection: taken (again) first, and a heartbeat at most once a second."""
+        conn = self.lock.keep()
+        if conn is not self.conn:
+            self.conn = conn
             if self.down_since is not None:
                 log.info("db %s: connected again after %.1fs", self.name, time.monotonic() - self.down_since)
             self.down_since = None
             self.backoff = 0.0
-        return self.conn
+            self.refused = None
+        return conn
 
     def lost(self, err: Exception) -> None:
         now = time.monotonic()
@@ -66,14 +73,21 @@ class DatabaseTicker:
             )
         self.backoff = min(max(self.backoff * 2, 0.5), 10.0)
         self.reconnect_at = now + self.backoff
-        if self.conn is not None:
-            self.conn.close()
+        self.lock.close()
+        self.conn = None
+
+    def served_elsewhere(self, err: AlreadyRunning) -> None:
+        """Another ticker holds this database's lock: leave it to that one, look again later."""
+        if self.refused != str(err):
+            log.error("db %s: %s; not ticking it while that one runs", self.name, err)
+        self.refused = str(err)
+        self.reconnect_at = time.monotonic() + REFUSED_RETRY
+        self.lock.close()
         self.conn = None
 
     def close(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
+        self.lock.release()
+        self.conn = None
 
 
 class Ticker(Daemon):
@@ -141,7 +155,17 @@ class Ticker(Daemon):
         for name, cs in wanted.items():
             if name not in self.dbs:
                 log.info("db %s: serving", name)
-                self.dbs[name] = DatabaseTicker(name, cs)
+                lock = DaemonLock(cs, DaemonRole.TICKER, "", self.cfg.job_name, str(self.cfg.path))
+                self.dbs[name] = DatabaseTicker(name, lock)
+
+    def claim(self) -> None:
+        """Before the first round: a database another ticker serves refuses the start."""
+        self.refresh_databases(time.monotonic())
+        for db in self.dbs.values():
+            try:
+                db.connect()
+            except psycopg.Error as e:
+                db.lost(e)
 
     # --- the work ---
     def work(self) -> bool:
@@ -154,6 +178,8 @@ class Ticker(Daemon):
                 continue
             try:
                 self.serve(db, now)
+            except AlreadyRunning as e:
+                db.served_elsewhere(e)
             except psycopg.OperationalError as e:
                 db.lost(e)
             except psycopg.Error as e:

@@ -37,6 +37,7 @@ from pgcascade.capture import tables as set_tables
 from pgcascade.core import metrics, pgconn, privileges
 from pgcascade.core.config import JobConfig
 from pgcascade.core.daemon import Daemon
+from pgcascade.core.daemonlock import DaemonRole
 from pgcascade.core.errors import UserError
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
@@ -88,6 +89,7 @@ class BatchPhases:
 
 class Worker(Daemon):
     name = "worker"
+    lock_role = DaemonRole.WORKER  # its copy processes and peer workers take none
 
     def __init__(self, cfg: JobConfig, bulk: BulkCopier | None = None):
         super().__init__(cfg)

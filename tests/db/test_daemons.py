@@ -1,0 +1,100 @@
+"""One daemon per node and role, and a daemon that stopped is visible: a second worker for a
+leaf (another ini, another pidfile) and a second ticker for a database are refused at once in
+one line naming the first; the first keeps replicating; a worker killed with SIGKILL is shown
+by `status`, `status --json` and `status --check` (critical) at once, and the second can start
+then.  A worker whose lock's session is ended takes the lock again and goes on."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import time
+
+from conftest import table_checksum
+
+from pgcascade.dev.localcluster import wait_until
+
+
+def write(db, first: int, last: int) -> None:
+    with db.connect() as conn:
+        conn.execute(
+            "insert into public.t select i, 'v' || i from generate_series(%s::int, %s::int) i", (first, last)
+        )
+
+
+def worker_entry(replica) -> dict:
+    report = json.loads(replica.cli("leaf", "status", "--json").stdout)
+    return next(d for d in report["daemons"] if d["role"] == "worker")
+
+
+def test_a_second_worker_is_refused_and_a_killed_one_is_critical_at_once(replica, cli, daemons):
+    with replica.root.connect() as conn:
+        conn.execute("create table public.t (id int primary key, v text)")
+    write(replica.root, 1, 100)
+    replica.setup(["public.t"])
+    replica.start_ticker()
+    first = replica.start_worker()
+    replica.wait_sync(60)
+
+    # another ini and pidfile for the same leaf: refused at once, naming the first
+    second_ini = replica.ini("leaf_again", replica.leaf)
+    started = time.monotonic()
+    r = cli(second_ini, "worker", timeout=60)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert time.monotonic() - started < 15
+    line = r.stderr.strip()
+    assert len(line.splitlines()) == 1 and "Traceback" not in line, line
+    assert line.startswith("pgcascade: a worker for set rep in this database runs already: ")
+    assert f"pid {first.pid} on {socket.gethostname()}, job leaf ({replica.leaf_ini})" in line, line
+    # -d too: refused before it detaches, so the refusal is seen
+    r = cli(second_ini, "worker", "-d", timeout=60)
+    assert r.returncode == 1 and "runs already" in r.stderr, r.stdout + r.stderr
+    # a second ticker for the root's database likewise
+    ticker2 = replica.ini("ticker_again", replica.root)
+    r = cli("ticker", ticker2, timeout=60)
+    assert r.returncode == 1 and "a ticker for this database runs already: pid " in r.stderr, r.stderr
+
+    # the first keeps replicating
+    write(replica.root, 101, 200)
+    replica.wait_sync(60)
+    assert first.poll() is None
+    assert table_checksum(replica.root, "public.t") == table_checksum(replica.leaf, "public.t")
+    ok = replica.cli("leaf", "status", "--check")
+    assert ok.returncode == 0, ok.stdout
+    entry = worker_entry(replica)
+    assert entry["running"] is True and entry["pid"] == first.pid and entry["critical"] is False
+
+    # SIGKILL: critical at once, the worker named, status says when it was last seen
+    daemons.kill(first, signal.SIGKILL)
+    wait_until(
+        lambda: replica.cli("leaf", "status", "--check", check=False).returncode == 2,
+        10,
+        what="status --check to turn critical",
+    )
+    crit = replica.cli("leaf", "status", "--check", check=False).stdout
+    assert crit.startswith("CRITICAL leaf1 (leaf): worker not running (last seen "), crit
+    entry = worker_entry(replica)
+    assert entry["running"] is False and entry["critical"] is True and entry["stopped"] is None
+    assert entry["pid"] == first.pid and entry["last_seen_seconds"] < 30
+    assert "worker: not running (last seen " in replica.cli("leaf", "status").stdout
+
+    # the second starts now, replicates what was written meanwhile, and is running
+    write(replica.root, 201, 300)
+    second = daemons.start(str(second_ini), "worker")
+    replica.wait_sync(60)
+    assert table_checksum(replica.root, "public.t") == table_checksum(replica.leaf, "public.t")
+    entry = worker_entry(replica)
+    assert entry["running"] is True and entry["pid"] == second.pid and entry["job"] == "leaf_again"
+
+    # its lock's session ended by the server: it takes the lock again and goes on
+    with replica.leaf.connect() as conn:
+        assert conn.execute(
+            "select pg_terminate_backend(pid) from pg_stat_activity where application_name = %s",
+            ("pgcascade worker leaf_again",),
+        ).fetchall() == [(True,)]
+    write(replica.root, 301, 400)
+    replica.wait_sync(60)
+    wait_until(lambda: "worker lock of set rep" in replica.log("leaf_again"), 10, what="the lock taken again")
+    assert second.poll() is None and worker_entry(replica)["running"] is True
+    assert table_checksum(replica.root, "public.t") == table_checksum(replica.leaf, "public.t")
