@@ -167,6 +167,19 @@ def test_page_follows_a_copy_a_lagging_branch_and_a_switchover(cascade, make_db)
         expect(graph.locator('[data-node="s1"]')).to_contain_text("s1 (branch)")
         shot(page, "3-after-switchover")
 
+        # the leaf's worker killed: its box turns red at once, the errors name it; restarted, it clears
+        c.kill_worker("s3")
+        s3_box = graph.locator('[data-node="s3"]')
+        expect(s3_box).to_have_class(re.compile(r"\bbad\b"), timeout=15_000)
+        expect(page.get_by_test_id("graph-lag-s3")).to_have_text("worker not running")
+        expect(page.get_by_test_id("errors")).to_contain_text(
+            re.compile(r"s3 \(worker, [^)]+\): worker not running \(last seen [\d.]+ (ms|s) ago")
+        )
+        expect(page.get_by_test_id("facts-s3")).to_contain_text("worker: not running (last seen")
+        shot(page, "4-leaf-worker-killed")
+        c.start_worker("s3")
+        expect(s3_box).not_to_have_class(re.compile(r"\bbad\b"), timeout=30_000)
+
         html = page.content()
         browser.close()
 

@@ -9,9 +9,12 @@ daemon writes).
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
 import time
 import zlib
+from dataclasses import dataclass
 
 import psycopg
 from psycopg import sql
@@ -19,7 +22,6 @@ from psycopg import sql
 from pgcascade.core.errors import RuntimeFailure, UserError, db_error_line
 from pgcascade.core.pgconn import scalar
 from pgcascade.pgq import node as nodes
-from pgcascade.pgq import queue as q
 
 log = logging.getLogger("pgcascade.capture")
 
@@ -76,44 +78,122 @@ def is_logical(conn: psycopg.Connection, queue: str) -> bool:
     return row is not None
 
 
-def slot_name_for(conn: psycopg.Connection, queue: str) -> tuple[str, str]:
-    """(slot, publication): slots are per cluster, so the slot's name carries the database."""
-    qid = q.queue_id(conn, queue)
+@dataclass(frozen=True)
+class SlotSetup:
+    """The publication and slot of a root that starts capturing through a slot, and which of
+    them this command created (so that a failure drops what it made, and nothing else)."""
+
+    slot: str
+    publication: str
+    made_slot: bool
+    made_publication: bool
+
+
+def names_for(conn: psycopg.Connection, queue: str) -> tuple[str, str]:
+    """(slot, publication) of a queue, known before its queue exists: a retry after a failure
+    finds what the failed attempt made.  Slots are per cluster, so the slot's name carries the
+    database.  (Roots made before this release keep the names stored in walcapture.)"""
+    tag = hashlib.md5(queue.encode()).hexdigest()[:16]
     dboid = scalar(conn, "select oid from pg_database where datname = current_database()")
-    return f"pgcascade_{dboid}_{qid}", f"pgcascade_{qid}"
+    return f"pgcascade_{dboid}_{tag}", f"pgcascade_{tag}"
+
+
+def slot_exists(conn: psycopg.Connection, slot: str) -> bool:
+    return (
+        conn.execute("select 1 from pg_replication_slots where slot_name = %s", (slot,)).fetchone()
+        is not None
+    )
+
+
+def prepare_slot(conn: psycopg.Connection, queue: str) -> SlotSetup:
+    """The publication, then the slot, each committed on its own (a slot cannot be made in a
+    transaction that has written): the caller records them in its transaction, and calls
+    `undo` if that fails.  A failed slot takes the publication made for it along."""
+    if scalar(conn, "select current_setting('wal_level')") != "logical":
+        raise UserError("logical capture needs wal_level = logical on the root (a server restart)")
+    slot, pub = names_for(conn, queue)
+    made_pub = False
+    if not conn.execute("select 1 from pg_publication where pubname = %s", (pub,)).fetchone():
+        # via_partition_root: a partitioned table's changes carry its own name, as with triggers
+        conn.execute(
+            sql.SQL("create publication {} with (publish_via_partition_root = true)").format(
+                sql.Identifier(pub)
+            )
+        )
+        made_pub = True
+    setup = SlotSetup(slot, pub, False, made_pub)
+    if slot_exists(conn, slot):
+        return setup
+    try:
+        create_slot(conn, slot)
+    except RuntimeFailure:
+        undo(conn, setup)
+        raise
+    return SlotSetup(slot, pub, True, made_pub)
+
+
+def create_slot(conn: psycopg.Connection, slot: str) -> None:
+    """After the publication is committed: decoding looks it up as of each change it decodes."""
+    try:
+        conn.execute("select pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
+    except psycopg.errors.InsufficientPrivilege as e:
+        raise RuntimeFailure(
+            f"cannot create replication slot {slot}: {db_error_line(e)} (logical capture needs a role"
+            " with REPLICATION: ALTER ROLE ... REPLICATION)"
+        ) from None
+    except psycopg.Error as e:
+        raise RuntimeFailure(f"cannot create replication slot {slot}: {db_error_line(e)}") from None
+
+
+def register(conn: psycopg.Connection, queue: str, setup: SlotSetup) -> None:
+    """In the caller's transaction: the root `queue` captures through this slot."""
+    conn.execute(
+        "insert into pgcascade.walcapture (queue_name, slot_name, publication) values (%s, %s, %s)",
+        (queue, setup.slot, setup.publication),
+    )
+
+
+def undo(conn: psycopg.Connection, setup: SlotSetup) -> None:
+    """Drop what prepare_slot made (best effort: the command is failing already)."""
+    with contextlib.suppress(psycopg.Error):
+        if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            conn.rollback()
+        if setup.made_slot:
+            conn.execute("select pg_drop_replication_slot(%s)", (setup.slot,))
+        if setup.made_publication:
+            conn.execute(sql.SQL("drop publication if exists {}").format(sql.Identifier(setup.publication)))
+
+
+def drop_leftovers(conn: psycopg.Connection, queue: str) -> None:
+    """A trigger root: the slot and publication of a logical create-root that died before it
+    recorded them (no walcapture row names them) would hold WAL for ever: dropped."""
+    slot, pub = names_for(conn, queue)
+    if is_logical(conn, queue):
+        return
+    if slot_exists(conn, slot):
+        log.info("dropping replication slot %s left by a logical create-root that failed", slot)
+        conn.execute("select pg_drop_replication_slot(%s)", (slot,))
+    conn.execute(sql.SQL("drop publication if exists {}").format(sql.Identifier(pub)))
 
 
 def setup_logical(conn: psycopg.Connection, queue: str) -> bool:
-    """Make the root `queue` capture through a slot; True if anything was created.  Repeatable:
-    a slot lost (dropped by hand) is created again, from now on.  (capture.tables.use_logical
-    first refuses a trigger root that has tables.)"""
-    if scalar(conn, "select current_setting('wal_level')") != "logical":
-        raise UserError("logical capture needs wal_level = logical on the root (a server restart)")
-    created = False
-    if not is_logical(conn, queue):
-        slot, pub = slot_name_for(conn, queue)
+    """Make the existing root `queue` capture through a slot; True if anything was created.
+    Repeatable: a slot lost (dropped by hand) is created again, from now on.  (capture.tables.
+    use_logical first refuses a trigger root that has tables.)"""
+    if is_logical(conn, queue):
+        slot = scalar(conn, "select slot_name from pgcascade.walcapture where queue_name = %s", (queue,))
+        if slot_exists(conn, slot):
+            return False
+        create_slot(conn, slot)
+        return True
+    setup = prepare_slot(conn, queue)
+    try:
         with conn.transaction():
-            if not conn.execute("select 1 from pg_publication where pubname = %s", (pub,)).fetchone():
-                # via_partition_root: a partitioned table's changes carry its own name, as with triggers
-                conn.execute(
-                    sql.SQL("create publication {} with (publish_via_partition_root = true)").format(
-                        sql.Identifier(pub)
-                    )
-                )
-            conn.execute(
-                "insert into pgcascade.walcapture (queue_name, slot_name, publication) values (%s, %s, %s)",
-                (queue, slot, pub),
-            )
-        created = True
-    slot = scalar(conn, "select slot_name from pgcascade.walcapture where queue_name = %s", (queue,))
-    if not conn.execute("select 1 from pg_replication_slots where slot_name = %s", (slot,)).fetchone():
-        # after the publication exists: decoding looks it up as of each change it decodes
-        try:
-            conn.execute("select pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
-        except psycopg.Error as e:
-            raise RuntimeFailure(f"cannot create replication slot {slot}: {db_error_line(e)}") from None
-        created = True
-    return created
+            register(conn, queue, setup)
+    except BaseException:
+        undo(conn, setup)
+        raise
+    return True
 
 
 def add_table(conn: psycopg.Connection, queue: str, table: str, keys: list[str]) -> str:

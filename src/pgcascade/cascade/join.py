@@ -4,15 +4,24 @@ learns from the root (`pgcascade.location` events).
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
+from datetime import datetime
+
 import psycopg
 
+from pgcascade.capture import logical as walcapture
 from pgcascade.capture import tables as set_tables
 from pgcascade.cascade.survey import connect, find_root
 from pgcascade.core import pgconn, privileges, schema
 from pgcascade.core.errors import RuntimeFailure, UserError
+from pgcascade.core.hooks import pause_point
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
 from pgcascade.pgq.node import NodeType
+
+log = logging.getLogger("pgcascade")
 
 
 def already_node(conn: psycopg.Connection, queue: str, node_name: str, node_type: NodeType) -> bool:
@@ -41,15 +50,28 @@ def check_rights(conn: psycopg.Connection, node_type: NodeType, logical: bool = 
 def create_root(
     conn: psycopg.Connection, queue: str, node_name: str, location: str, logical: bool = False
 ) -> bool:
-    """Install the schema, create the set's queue and register this database as its root."""
+    """Install the schema, create the set's queue and register this database as its root, all
+    or nothing.  With `logical`, the publication and the slot come first (a slot cannot be made
+    in a transaction that has written) and are dropped again if the rest fails; a trigger root
+    drops a slot a failed logical attempt left behind."""
     check_rights(conn, NodeType.ROOT, logical)
     schema.install(conn)
     if already_node(conn, queue, node_name, NodeType.ROOT):
         return False
-    with conn.transaction():
-        q.create_queue(conn, queue)
-        nodes.insert_node(conn, queue, node_name, NodeType.ROOT)
-        nodes.set_location(conn, queue, node_name, location)
+    setup = walcapture.prepare_slot(conn, queue) if logical else None
+    if setup is None:
+        walcapture.drop_leftovers(conn, queue)
+    try:
+        with conn.transaction():
+            q.create_queue(conn, queue)
+            nodes.insert_node(conn, queue, node_name, NodeType.ROOT)
+            nodes.set_location(conn, queue, node_name, location)
+            if setup is not None:
+                walcapture.register(conn, queue, setup)
+    except BaseException:
+        if setup is not None:
+            walcapture.undo(conn, setup)
+        raise
     return True
 
 
@@ -70,6 +92,7 @@ def create_subscriber(
     check_rights(conn, node_type)
     schema.install(conn)
     if already_node(conn, queue, node_name, node_type):
+        ensure_registered(conn, nodes.require_node(conn, queue))
         return False
     if merge is not None:
         combined = nodes.get_node(conn, merge)
@@ -84,23 +107,67 @@ def create_subscriber(
             raise UserError(f"the provider is not a root or branch of set {queue!r}")
         if pnode.node_name == node_name:
             raise UserError(f"node name {node_name!r} is the provider's own name")
-        with prov.transaction():
-            q.register_consumer(prov, queue, node_name)
-            position = q.consumer_tick(prov, queue, node_name)
-            assert position is not None
-            nodes.set_location(prov, queue, node_name, location)
         locations = nodes.locations(prov, queue)
         rows = set_tables.set_table_rows(prov, queue)
-    tick, tick_time, event_seq = position
-    with conn.transaction():
-        if node_type is NodeType.BRANCH:
-            q.create_branch_queue(conn, queue, tick, tick_time, event_seq)
-            set_tables.mirror_set_tables(conn, queue, rows)
-        nodes.insert_node(conn, queue, node_name, node_type, pnode.node_name, tick, merge)
-        for name, (loc, _dead) in locations.items():
-            nodes.set_location(conn, queue, name, loc)
-        nodes.set_location(conn, queue, pnode.node_name, provider_connstr)
-        nodes.set_location(conn, queue, node_name, location)
+        with registered_on(prov, queue, node_name, location) as position, conn.transaction():
+            tick, tick_time, event_seq = position
+            if node_type is NodeType.BRANCH:
+                q.create_branch_queue(conn, queue, tick, tick_time, event_seq)
+                set_tables.mirror_set_tables(conn, queue, rows)
+            nodes.insert_node(conn, queue, node_name, node_type, pnode.node_name, tick, merge)
+            for name, (loc, _dead) in locations.items():
+                nodes.set_location(conn, queue, name, loc)
+            nodes.set_location(conn, queue, pnode.node_name, provider_connstr)
+            nodes.set_location(conn, queue, node_name, location)
+    return True
+
+
+@contextlib.contextmanager
+def registered_on(
+    prov: psycopg.Connection, queue: str, consumer: str, location: str
+) -> Iterator[tuple[int, datetime, int]]:
+    """Register `consumer` on the provider's queue (and its location there) in a provider
+    transaction that commits only after the caller's block - this node's own record - has
+    committed: a failure anywhere before leaves the provider as it was (no consumer holding its
+    history for ever).  A crash between the two commits leaves a node that is not registered;
+    the same create command again registers it (ensure_registered)."""
+    with prov.transaction():
+        q.register_consumer(prov, queue, consumer)
+        position = q.consumer_tick(prov, queue, consumer)
+        assert position is not None
+        nodes.set_location(prov, queue, consumer, location)
+        yield position
+        pause_point("recorded-not-registered")
+
+
+def ensure_registered(conn: psycopg.Connection, node: nodes.Node) -> bool:
+    """A subscriber whose creation died between its own commit and its provider's: registered
+    on the provider again, at the tick it is at; True if it had to be."""
+    if node.provider_node is None:
+        return False
+    try:
+        prov = pgconn.connect(nodes.provider_location(conn, node), autocommit=True, connect_timeout=10)
+    except psycopg.OperationalError:
+        return False  # the worker says so; a later create-leaf tries again
+    with prov:
+        if (q.consumer_tick(prov, node.queue_name, node.consumer) or (None,))[0] is not None:
+            return False
+        own = nodes.node_location(conn, node.queue_name, node.node_name)
+        try:
+            with prov.transaction():
+                q.register_consumer_at(prov, node.queue_name, node.consumer, node.last_tick or 0)
+                nodes.set_location(prov, node.queue_name, node.node_name, own)
+        except psycopg.errors.NoDataFound:
+            raise RuntimeFailure(
+                f"{node.node_name} is not registered on its provider {node.provider_node}, which no longer has"
+                f" tick {node.last_tick}: drop this node (drop-node) and create it again"
+            ) from None
+    log.info(
+        "%s registered again on its provider %s at tick %s",
+        node.node_name,
+        node.provider_node,
+        node.last_tick,
+    )
     return True
 
 

@@ -15,11 +15,11 @@ from psycopg import sql
 
 from pgcascade.capture import logical
 from pgcascade.capture import tables as set_tables
+from pgcascade.cascade.join import ensure_registered, registered_on
 from pgcascade.core import pgconn, privileges
 from pgcascade.core.errors import UserError
 from pgcascade.core.pgconn import scalar
 from pgcascade.pgq import node as nodes
-from pgcascade.pgq import queue as q
 from pgcascade.pgq.node import NodeType
 from pgcascade.replica import state as states
 from pgcascade.replica import tables as subscriber
@@ -88,32 +88,29 @@ def add_peer(
             with conn.transaction():
                 nodes.set_location(conn, queue, peer, location)
                 nodes.set_conflict_policy(conn, queue, str(policy))
+            ensure_registered(conn, existing)
             return False
         ours = set_tables.set_tables(conn, own_queue)
         refuse_unequal_tables(conn, prov, queue, peer, ours)
-        with prov.transaction():
-            q.register_consumer(prov, queue, me.node_name)
-            position = q.consumer_tick(prov, queue, me.node_name)
-            assert position is not None
-            nodes.set_location(prov, queue, me.node_name, own_location)
-    with conn.transaction():
-        nodes.insert_node(
-            conn,
-            queue,
-            me.node_name,
-            NodeType.LEAF,
-            peer,
-            position[0],
-            peer_of=own_queue,
-            conflict_policy=str(policy),
-        )
-        nodes.set_location(conn, queue, peer, location)
-        nodes.set_location(conn, queue, me.node_name, own_location)
-        subscriber.subscribe_peer_tables(conn, queue, ours)
-        if with_origins:
-            logical.ensure_origin(conn, logical.peer_origin(peer))
-        for table, keys in ours.items():
-            set_tables.make_two_way(conn, table, keys)
+        # the peer's registration commits after this master's record (join.registered_on)
+        with registered_on(prov, queue, me.node_name, own_location) as position, conn.transaction():
+            nodes.insert_node(
+                conn,
+                queue,
+                me.node_name,
+                NodeType.LEAF,
+                peer,
+                position[0],
+                peer_of=own_queue,
+                conflict_policy=str(policy),
+            )
+            nodes.set_location(conn, queue, peer, location)
+            nodes.set_location(conn, queue, me.node_name, own_location)
+            subscriber.subscribe_peer_tables(conn, queue, ours)
+            if with_origins:
+                logical.ensure_origin(conn, logical.peer_origin(peer))
+            for table, keys in ours.items():
+                set_tables.make_two_way(conn, table, keys)
     return True
 
 

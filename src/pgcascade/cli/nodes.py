@@ -46,14 +46,13 @@ def install(ctx: Context, pgq_compat: bool) -> None:
 def create_root(ctx: Context, node_name: str, location: str | None, capture_mode: str | None) -> None:
     """Make this database the root of the set: install, create the queue."""
     with ctx.connect() as conn:
-        created = join.create_root(
-            conn, ctx.queue(), node_name, location or ctx.db(), logical=capture_mode == "logical"
-        )
+        wanted = capture_mode == "logical"
+        created = join.create_root(conn, ctx.queue(), node_name, location or ctx.db(), logical=wanted)
         is_logical = logical.is_logical(conn, ctx.queue())
-        if capture_mode == "logical":
-            created = set_tables.use_logical(conn, ctx.queue()) or created
+        if not created and capture_mode == "logical":  # the root exists: a slot lost is made again
+            created = set_tables.use_logical(conn, ctx.queue())
             is_logical = True
-        elif capture_mode == "trigger" and is_logical:
+        elif not created and capture_mode == "trigger" and is_logical:
             raise UserError(f"root of {ctx.queue()} captures through a slot already (logical)")
     mode = "logical: run the capture daemon" if is_logical else "trigger"
     click.echo(

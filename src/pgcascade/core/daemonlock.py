@@ -44,6 +44,7 @@ from pgcascade.core.errors import RuntimeFailure
 log = logging.getLogger("pgcascade")
 
 HEARTBEAT_SECONDS = 1.0
+DEAD_HOLDER_WAIT = 10.0  # seconds a lock whose holder on this host is gone is waited for
 # libpq: find a dead server within seconds, also while a statement waits for its answer
 CLIENT_KEEPALIVES = {
     "keepalives": 1,
@@ -182,6 +183,41 @@ class DaemonLock:
                 "config": self.config,
             },
         )
+
+    def _try_lock(self, conn: psycopg.Connection) -> bool:
+        """Take the lock; a holder that was a process of this host that is gone (killed a moment
+        ago, its session not ended yet) is waited for, a few seconds at most."""
+        deadline = time.monotonic() + DEAD_HOLDER_WAIT
+        while True:
+            row = conn.execute(
+                "select pg_try_advisory_lock(%(class)s, hashtext(%(queue)s))", self.key
+            ).fetchone()
+            if row and row[0]:
+                return True
+            if time.monotonic() > deadline or not self._holder_is_gone(conn):
+                return False
+            time.sleep(0.1)
+
+    def _holder_is_gone(self, conn: psycopg.Connection) -> bool:
+        if not self.table_exists(conn):
+            return False
+        row = conn.execute(
+            "select host, pid from pgcascade.daemon where role = %(role)s and queue_name = %(queue)s",
+            self.key,
+        ).fetchone()
+        if row is None or row[0] != socket.gethostname() or row[1] == os.getpid():
+            return False
+        try:
+            os.kill(row[1], 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+        return False
+
+    @staticmethod
+    def table_exists(conn: psycopg.Connection) -> bool:
+        return conn.execute("select to_regclass('pgcascade.daemon') is not null").fetchone() == (True,)
 
     def keep(self) -> psycopg.Connection:
         """Before a round: the lock is held (taken again after a lost connection) and the

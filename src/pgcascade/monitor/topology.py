@@ -58,7 +58,8 @@ def topology(conn: psycopg.Connection, queue: str) -> dict[str, Any]:
 
 
 def errors(members: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Unreachable members, worker, copy and capture errors, newest first."""
+    """Unreachable members, needed daemons that do not run, worker, copy and capture errors,
+    newest first."""
     out = []
     for m in members:
         r = m["report"]
@@ -66,6 +67,16 @@ def errors(members: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append({"node": m["name"], "kind": "unreachable", "message": m["error"], "time": None})
         if r is None:
             continue
+        for d in r.get("daemons", []):
+            if d["critical"]:
+                out.append(
+                    {
+                        "node": m["name"],
+                        "kind": d["role"],
+                        "message": report.daemon_line(d),
+                        "time": d["last_seen"],
+                    }
+                )
         if r.get("last_error"):
             out.append(
                 {

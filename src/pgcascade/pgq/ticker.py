@@ -183,7 +183,7 @@ class Ticker(Daemon):
             except psycopg.OperationalError as e:
                 db.lost(e)
             except psycopg.Error as e:
-                log.error("db %s: %s", db.name, privileges.explain(e, db.connstr))
+                log.error("db %s: %s", db.name, privileges.explain(e, db.lock.dsn))
                 db.lost(e)
         return False
 

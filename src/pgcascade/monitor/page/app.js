@@ -30,6 +30,7 @@ function seconds(s) {
 function health(node) {
   const r = node.report;
   if (!r || r.last_error || r.provider_reachable === false) return "bad";
+  if ((r.daemons || []).some((d) => d.critical)) return "bad";
   if (r.paused || (r.lag_seconds !== undefined && r.lag_seconds !== null && r.lag_seconds > 10)) return "late";
   if (r.copies && r.copies.length) return "late";
   return "ok";
@@ -38,6 +39,8 @@ function health(node) {
 function nodeSummary(node) {
   const r = node.report;
   if (!r) return node.dead ? "dead" : "unreachable";
+  const down = (r.daemons || []).filter((d) => d.critical).map((d) => d.role);
+  if (down.length) return `${down.join(", ")} not running`;
   if (r.type === "root") return `tick ${r.queue ? r.queue.last_tick : "-"}`;
   const parts = [`lag ${seconds(r.lag_seconds)}`];
   if (r.paused) parts.push("paused");
@@ -128,6 +131,12 @@ function copyCell(c) {
   return td;
 }
 
+function daemonFact(d) {
+  if (d.running) return `${d.role}: running`;
+  if (d.last_seen === null) return `${d.role}: not running (never started here)`;
+  return `${d.role}: not running (last seen ${seconds(d.last_seen_seconds)} ago)`;
+}
+
 function nodeCard(n) {
   const card = el("div", { class: "card", "data-testid": `node-${n.name}` });
   card.append(el("h3", {}, `${n.name} - ${n.type ?? "?"}${n.provider ? ` under ${n.provider}` : ""}`));
@@ -145,6 +154,7 @@ function nodeCard(n) {
   if (r.queue) parts.push(`queue keeps ${r.queue.retained_events} events`);
   if (r.capture) parts.push(`capture: ${r.capture.mode}`);
   if (r.paused) parts.push("paused");
+  for (const d of r.daemons || []) parts.push(daemonFact(d));
   parts.push(`tables: ${Object.entries(r.tables_per_state).map(([s, k]) => `${s} ${k}`).join(", ") || "none"}`);
   facts.append(el("span", { "data-testid": `facts-${n.name}` }, parts.join(" | ")));
   card.append(facts, tablesTable(r));
