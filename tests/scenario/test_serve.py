@@ -176,6 +176,7 @@ def test_page_follows_a_copy_a_lagging_branch_and_a_switchover(cascade, make_db)
             re.compile(r"s3 \(worker, [^)]+\): worker not running \(last seen [\d.]+ (ms|s) ago")
         )
         expect(page.get_by_test_id("facts-s3")).to_contain_text("worker: not running (last seen")
+        assert value(scrape(serve_port), "pgcascade_node_daemon_critical", node="s3", role="worker") == 1
         shot(page, "4-leaf-worker-killed")
         c.start_worker("s3")
         expect(s3_box).not_to_have_class(re.compile(r"\bbad\b"), timeout=30_000)

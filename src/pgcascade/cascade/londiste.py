@@ -133,8 +133,37 @@ def copy_locations(conn: psycopg.Connection, node: LondisteNode) -> None:
             nodes.mark_dead(conn, node.queue, name)
 
 
+def londiste_trigger_names(queue: str) -> tuple[str, str]:
+    return f"_londiste_{queue}", f"_londiste_{queue}_truncate"
+
+
+def read_londiste_triggers(conn: psycopg.Connection, node: LondisteNode) -> list[tuple[str, str, str, str]]:
+    """(table, trigger, definition, enabled) of Londiste's triggers on the node's tables, every
+    name in the definitions qualified: back-to-londiste makes exactly these again."""
+    with conn.transaction():
+        conn.execute("select set_config('search_path', 'pg_catalog', true)")
+        return conn.execute(
+            "select t.dest, g.tgname, pg_get_triggerdef(g.oid), g.tgenabled::text"
+            "  from unnest(%s::text[]) t(dest) join pg_trigger g on g.tgrelid = t.dest::regclass"
+            " where g.tgname = any(%s) order by 1, 2",
+            ([t.dest for t in node.tables], list(londiste_trigger_names(node.queue))),
+        ).fetchall()
+
+
+def save_londiste_triggers(
+    conn: psycopg.Connection, queue: str, rows: list[tuple[str, str, str, str]]
+) -> None:
+    for table, trigger, definition, enabled in rows:
+        conn.execute(
+            "insert into pgcascade.londiste_trigger (queue_name, table_name, trigger_name, definition, enabled)"
+            " values (%s, %s, %s, %s, %s) on conflict (queue_name, table_name, trigger_name)"
+            " do update set definition = excluded.definition, enabled = excluded.enabled",
+            (queue, table, trigger, definition, enabled),
+        )
+
+
 def drop_londiste_triggers(conn: psycopg.Connection, queue: str, table: str) -> None:
-    for trigger in (f"_londiste_{queue}", f"_londiste_{queue}_truncate"):
+    for trigger in londiste_trigger_names(queue):
         conn.execute(
             sql.SQL("drop trigger if exists {} on {}").format(sql.Identifier(trigger), sql.SQL(table))
         )
@@ -150,10 +179,12 @@ def install_here(conn: psycopg.Connection, queue: str) -> None:
 def import_root(conn: psycopg.Connection, node: LondisteNode, say: Say) -> str:
     queue = node.queue
     install_here(conn, queue)
+    triggers = read_londiste_triggers(conn, node)
     with conn.transaction():
         q.create_queue(conn, queue)
         nodes.insert_node(conn, queue, node.name, NodeType.ROOT)
         copy_locations(conn, node)
+        save_londiste_triggers(conn, queue, triggers)
         for t in node.tables:
             drop_londiste_triggers(conn, queue, t.dest)
         if node.tables:
@@ -235,7 +266,9 @@ def import_subscriber(conn: psycopg.Connection, node: LondisteNode, say: Say) ->
     if missing:
         raise UserError(f"the provider does not replicate {', '.join(missing)}")
     install_here(conn, queue)
+    triggers = read_londiste_triggers(conn, node)
     with conn.transaction():
+        save_londiste_triggers(conn, queue, triggers)
         if node.node_type is NodeType.BRANCH:
             q.create_branch_queue(conn, queue, *position)
             set_tables.mirror_set_tables(conn, queue, rows)

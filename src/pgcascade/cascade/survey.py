@@ -18,6 +18,8 @@ from pgcascade.core.errors import RuntimeFailure, UserError, db_error_line
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
 
+NOT_A_NODE = "not a node of the set"  # a Member that answers but is no pgcascade node of it
+
 
 def connect(location: str, timeout: int = 5) -> psycopg.Connection:
     return pgconn.connect(location, autocommit=True, connect_timeout=timeout)
@@ -54,7 +56,7 @@ def survey(conn: psycopg.Connection, queue: str, skip: tuple[str, ...] = ()) -> 
                 with connect(loc, timeout=3) as c:
                     m.node = nodes.get_node(c, queue)
                     if m.node is None or m.node.node_name != name:
-                        m.node, m.error = None, "not a node of the set"
+                        m.node, m.error = None, NOT_A_NODE
             except psycopg.Error as e:
                 m.error = db_error_line(e)
         out.append(m)

@@ -4,34 +4,88 @@ does the work)."""
 from __future__ import annotations
 
 import configparser
+import socket
 from pathlib import Path
 
 import click
 
-from pgcascade.cascade import londiste
+from pgcascade.cascade import londiste, londiste_back
 from pgcascade.cli.context import Context, note_secrets, pass_ctx, say
 from pgcascade.core import schema
-from pgcascade.core.daemon import pid_alive, read_pid
+from pgcascade.core.daemon import pid_alive
 from pgcascade.core.errors import UserError
 from pgcascade.core.pgconn import scalar
 from pgcascade.pgq.node import NodeType
 
+SERVICE_SECTIONS = ("londiste", "londiste3")  # Londiste 3.8's service name, and earlier 3.x's
+
 
 def read_job(path: Path) -> dict[str, str]:
-    """A Londiste 3 job's ini: its one section ([londiste], the service name)."""
-    parser = configparser.ConfigParser(interpolation=None)
+    """A Londiste 3 job's ini read as Skytools reads it (skytools.Config): its service section,
+    with job_name (the file's name without extension), service_name (the section), host_name,
+    config_dir and config_file as defaults that `%(name)s` may use (`${name}` with
+    config_format = 2); file names get `~` expanded where they are used."""
+    raw = configparser.RawConfigParser()
     try:
-        if not parser.read(path):
+        if not raw.read(path):
             raise UserError(f"{path}: cannot read the Londiste job file")
     except configparser.Error as e:
         raise UserError(f"{path}: {str(e).splitlines()[0]}") from None
-    if not parser.sections():
+    section = next((s for s in SERVICE_SECTIONS if raw.has_section(s)), None) or next(
+        iter(raw.sections()), None
+    )
+    if section is None:
         raise UserError(f"{path}: no section (a Londiste 3 job file has one, [londiste])")
-    job = dict(parser[parser.sections()[0]])
-    for key in ("job_name", "db", "queue_name"):
+    version = raw.get(section, "config_format", fallback="1")
+    if version not in ("1", "2"):
+        raise UserError(f"{path}: config_format = {version}: Skytools reads 1 or 2")
+    interpolation = (
+        configparser.BasicInterpolation() if version == "1" else configparser.ExtendedInterpolation()
+    )
+    parser = configparser.ConfigParser(interpolation=interpolation)
+    parser.read(path)
+    defaults = {
+        "job_name": path.stem,
+        "service_name": section,
+        "host_name": socket.gethostname(),
+        "config_dir": str(path.parent),
+        "config_file": str(path),
+    }
+    for key, value in defaults.items():
+        if not parser.has_option(section, key):
+            parser.set(section, key, value.replace("%", "%%") if version == "1" else value.replace("$", "$$"))
+    try:
+        job = dict(parser[section].items())
+    except configparser.Error as e:
+        raise UserError(f"{path}: {' '.join(str(e).split())}") from None
+    for key in ("db", "queue_name"):
         if not job.get(key):
             raise UserError(f"{path}: {key} is not set")
     return job
+
+
+def check_worker_stopped(job: dict[str, str], ini: Path) -> None:
+    """Londiste's worker must not run while its node is imported: its pidfile (as Skytools
+    finds it) must name no live process.  Said, never skipped, when it cannot be checked."""
+    pidfile = job.get("pidfile")
+    if not pidfile:
+        say(f"{ini} sets no pidfile: make sure the Londiste worker {job['job_name']} is stopped")
+        return
+    path = Path(pidfile).expanduser()
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        say(f"no pidfile {path}: the Londiste worker {job['job_name']} is not running on this host")
+        return
+    except OSError as e:
+        raise UserError(
+            f"cannot read the Londiste worker's pidfile {path} ({e.strerror}): run as its user, or stop it and"
+            " remove the pidfile"
+        ) from None
+    pid = int(text.strip()) if text.strip().isdigit() else None
+    if pid is not None and pid_alive(pid):
+        raise UserError(f"the Londiste worker {job['job_name']} runs (pid {pid}, {path}): stop it first")
+    say(f"pidfile {path} names no running process: the Londiste worker {job['job_name']} is stopped")
 
 
 @click.command("import-londiste")
@@ -45,10 +99,8 @@ def import_londiste(ctx: Context, londiste_ini: Path, dry_run: bool) -> None:
     queue = ctx.queue()
     if job["queue_name"] != queue:
         raise UserError(f"{londiste_ini} is for queue {job['queue_name']}, this config for {queue}")
-    pidfile = job.get("pidfile")
-    pid = read_pid(Path(pidfile)) if pidfile else None
-    if pid is not None and pid_alive(pid) and not dry_run:
-        raise UserError(f"the Londiste worker {job['job_name']} runs (pid {pid}, {pidfile}): stop it first")
+    if not dry_run:
+        check_worker_stopped(job, londiste_ini)
     with ctx.connect() as conn, ctx.connect(connstr=job["db"]) as ldb:
         same = "select system_identifier::text || '/' || current_database() from pg_control_system()"
         if scalar(conn, same) != scalar(ldb, same):
@@ -89,4 +141,12 @@ def drop_londiste(ctx: Context, force: bool, pgq_compat: bool) -> None:
         click.echo("pgq compatibility schema installed (PgQ 3 API on pgcascade's queue)")
 
 
-COMMANDS = [import_londiste, drop_londiste]
+@click.command("back-to-londiste")
+@pass_ctx
+def back_to_londiste(ctx: Context) -> None:
+    """The way back after import-londiste: on the root, each subscriber (leaves first), the root again."""
+    with ctx.connect() as conn:
+        click.echo(londiste_back.back(conn, ctx.queue(), say))
+
+
+COMMANDS = [import_londiste, drop_londiste, back_to_londiste]

@@ -58,7 +58,7 @@ VERBS = {
     **dict.fromkeys(["queue", "status", "config", "serve"], "queues"),
     **dict.fromkeys(["compare", "repair", "spark-server", "sink"], "pipeline"),
     **dict.fromkeys(["provider", "subscriber", "replay"], "londiste2"),
-    **dict.fromkeys(["import-londiste", "drop-londiste"], "londiste3"),
+    **dict.fromkeys(["import-londiste", "drop-londiste", "back-to-londiste"], "londiste3"),
     **dict.fromkeys(["add-peer", "conflicts"], "twoway"),
     "demo": "demo",
     "completion": "shell",

@@ -57,6 +57,18 @@ FAMILIES: dict[str, tuple[str, list[str]]] = {
         NODE,
     ),
     "pgcascade_node_tables": ("tables of the node, by state", [*NODE, "phase"]),
+    "pgcascade_node_daemon_running": (
+        "1 while the node's daemon of that role holds its lock",
+        [*NODE, "role"],
+    ),
+    "pgcascade_node_daemon_critical": (
+        "1 when the node needs that daemon and it is not running",
+        [*NODE, "role"],
+    ),
+    "pgcascade_node_daemon_last_seen_seconds": (
+        "seconds since the daemon's last loop (its heartbeat)",
+        [*NODE, "role"],
+    ),
 }
 SET_WIDE = {n for n in FAMILIES if n.startswith("pgcascade_node_")}
 
@@ -102,6 +114,10 @@ class Families:
             self.add("pgcascade_node_apply_delay_seconds", key, r.get("apply_delay_seconds") or 0.0)
         for phase, n in r["tables_per_state"].items():
             self.add("pgcascade_node_tables", [*key, phase], n)
+        for d in r.get("daemons", []):
+            self.add("pgcascade_node_daemon_running", [*key, d["role"]], int(d["running"]))
+            self.add("pgcascade_node_daemon_critical", [*key, d["role"]], int(d["critical"]))
+            self.add("pgcascade_node_daemon_last_seen_seconds", [*key, d["role"]], d["last_seen_seconds"])
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         yield from self.by_name.values()

@@ -1,5 +1,5 @@
 -- pgcascade schema, migration 13: one daemon per node and role, its heartbeat; the way back to
--- Londiste after import-londiste.
+-- Londiste after import-londiste (back-to-londiste).
 --
 -- daemon            one row per daemon that ran here (core/daemonlock.py writes it): a worker or
 --                   capture daemon per queue, a ticker per database (queue_name '').  The daemon
@@ -22,17 +22,18 @@ create table pgcascade.daemon (
 );
 
 -- londiste_trigger  Londiste's triggers as import-londiste found them on this node's tables
---                   (pg_get_triggerdef), before it dropped them: revert-londiste puts back
---                   exactly these.
+--                   (pg_get_triggerdef with every name qualified, and pg_trigger.tgenabled),
+--                   before it dropped them: back-to-londiste puts back exactly these.
 create table pgcascade.londiste_trigger (
     queue_name    text not null,
     table_name    text not null,
     trigger_name  text not null,
     definition    text not null,
+    enabled       text not null,
     primary key (queue_name, table_name, trigger_name)
 );
 
--- londiste_import.pgcascade_final_tick: set by revert-londiste on the root, the pgcascade tick
+-- londiste_import.pgcascade_final_tick: set by back-to-londiste on the root, the pgcascade tick
 -- after which Londiste's triggers capture again; a subscriber goes back to Londiste once its
 -- pgcascade worker has applied it.
 alter table pgcascade.londiste_import add column pgcascade_final_tick int8;
