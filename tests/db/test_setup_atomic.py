@@ -37,9 +37,28 @@ def leftovers(db) -> dict[str, int]:
 NOTHING = {"node": 0, "queue": 0, "walcapture": 0, "location": 0, "publication": 0, "slot": 0}
 
 
+def refuse_node_rows(db) -> None:
+    """Make this node's own record fail (a trigger on pgcascade.node): any failure there."""
+    with db.connect() as conn:
+        conn.execute(
+            "create function public.refuse() returns trigger language plpgsql as"
+            " $$ begin raise exception 'refused for the test'; end $$"
+        )
+        conn.execute(
+            "create trigger refuse before insert on pgcascade.node for each row execute function public.refuse()"
+        )
+
+
+def allow_node_rows(db) -> None:
+    with db.connect() as conn:
+        conn.execute("drop trigger refuse on pgcascade.node")
+
+
 def test_a_failed_logical_create_root_can_be_followed_by_a_trigger_root(replica):
-    """The role owns the database and its tables but has no REPLICATION: the slot cannot be
-    made, and nothing of the root is left (neither a logical node nor its publication)."""
+    """The role owns the database and its tables.  Without REPLICATION the logical root is
+    refused before anything is made; with it, a slot that cannot be made (every slot in use)
+    leaves nothing, and a failure after the slot was made drops the slot and the publication
+    again.  A trigger root follows, and replicates."""
     role = f"owner_{uuid.uuid4().hex[:8]}"
     with replica.root.connect() as conn:
         conn.execute(f'create role "{role}" login')
@@ -51,18 +70,40 @@ def test_a_failed_logical_create_root_can_be_followed_by_a_trigger_root(replica)
     replica.root_ini.write_text(replica.root_ini.read_text().replace("user=postgres", f"user={role}"))
 
     r = replica.cli("root", "create-root", "root", "--capture=logical", check=False)
-    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.returncode == 2, r.stdout + r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "REPLICATION" in r.stderr, r.stderr
+    replica.cli("root", "install")
     assert leftovers(replica.root) == NOTHING
+
+    with replica.root.connect() as conn:
+        conn.execute(f'alter role "{role}" replication')
+    # every replication slot of the server in use: the slot cannot be made, nothing is left
+    with replica.root.connect() as conn:
+        free = conn.execute(
+            "select current_setting('max_replication_slots')::int - count(*) from pg_replication_slots"
+        ).fetchone()[0]
+        fillers = [f"filler_{uuid.uuid4().hex[:8]}" for _ in range(free)]
+        for name in fillers:
+            conn.execute("select pg_create_physical_replication_slot(%s)", (name,))
+    try:
+        r = replica.cli("root", "create-root", "root", "--capture=logical", check=False)
+    finally:
+        with replica.root.connect() as conn:
+            for name in fillers:
+                conn.execute("select pg_drop_replication_slot(%s)", (name,))
+    assert r.returncode == 1 and "all replication slots are in use" in r.stderr, r.stderr
+    assert leftovers(replica.root) == NOTHING
+    # the rest fails after the slot was made: the slot and the publication go again
+    refuse_node_rows(replica.root)
+    r = replica.cli("root", "create-root", "root", "--capture=logical", check=False)
+    assert r.returncode != 0 and "refused for the test" in r.stderr, r.stderr
+    assert leftovers(replica.root) == NOTHING
+    allow_node_rows(replica.root)
 
     assert (
         "created (capture trigger)" in replica.cli("root", "create-root", "root", "--capture=trigger").stdout
     )
-    # the trigger root refuses to become logical the same way, and stays a trigger root
-    r = replica.cli("root", "create-root", "root", "--capture=logical", check=False)
-    assert r.returncode == 1 and "REPLICATION" in r.stderr, r.stderr
     assert leftovers(replica.root) == {**NOTHING, "node": 1, "queue": 1, "location": 1}
-
     replica.cli("root", "add-table", "public.t")
     replica.cli("leaf", "create-leaf", "leaf1", "--provider", replica.root.connstr)
     replica.cli("leaf", "add-table", "public.t", "--create")
@@ -108,20 +149,12 @@ def test_create_leaf_is_all_or_nothing_and_a_retry_completes_it(replica):
     assert leftovers(replica.leaf)["node"] == 0
 
     # this node's own record fails: the provider is left as it was (no consumer holding its history)
-    with replica.leaf.connect() as conn:
-        conn.execute(
-            "create function public.refuse() returns trigger language plpgsql as"
-            " $$ begin raise exception 'refused for the test'; end $$"
-        )
-        conn.execute(
-            "create trigger refuse before insert on pgcascade.node for each row execute function public.refuse()"
-        )
+    refuse_node_rows(replica.leaf)
     r = replica.cli("leaf", "create-leaf", "leaf1", "--provider", replica.root.connstr, check=False)
     assert r.returncode != 0 and "refused for the test" in r.stderr, r.stderr
     assert "leaf1" not in consumers(replica.root, "rep")
     assert leftovers(replica.leaf)["node"] == 0
-    with replica.leaf.connect() as conn:
-        conn.execute("drop trigger refuse on pgcascade.node")
+    allow_node_rows(replica.leaf)
 
     # killed between its own commit and the provider's: the node exists, unregistered...
     p = replica.daemons.start(
