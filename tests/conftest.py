@@ -10,6 +10,7 @@ test fails, the tail of each server log it used is printed.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import shutil
 import signal
@@ -27,6 +28,7 @@ import psycopg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pgcascade.cli.main import main as cli_main
 from pgcascade.core import schema
 from pgcascade.dev.localcluster import LocalCluster, new_cluster
 
@@ -174,6 +176,20 @@ def run_cli(*args: str, timeout: float = 120, env: dict | None = None) -> subpro
     return subprocess.run(
         [*PGCASCADE, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env
     )
+
+
+def run_in_process(*args: str) -> subprocess.CompletedProcess[str]:
+    """`pgcascade ARGS` in this process, with its exit code and outputs: for commands a test
+    runs many of (a process each costs seconds of start-up on a loaded machine); daemons and
+    the commands a scenario is about stay processes (run_cli)."""
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            cli_main([str(a) for a in args])
+        except SystemExit as e:
+            code = int(e.code or 0)
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture

@@ -12,12 +12,13 @@ upgrade).  The whole set run as such roles is tests/scenario/test_least_privileg
 
 from __future__ import annotations
 
+import subprocess
 import uuid
 from collections.abc import Iterator
 
 import psycopg
 import pytest
-from conftest import SECRET_DSNS, drop_roles, table_checksum
+from conftest import SECRET_DSNS, drop_roles, run_in_process, table_checksum
 from psycopg.conninfo import conninfo_to_dict
 
 from pgcascade.core import schema
@@ -121,9 +122,16 @@ def ini_as(replica, node: str, role: str) -> None:
     path.write_text(path.read_text().replace("user=postgres", f"user={role}"))
 
 
+def verb(replica, node: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """`pgcascade NODE.ini ARGS`, run in this process; it must succeed."""
+    r = run_in_process(replica.tmp / f"{node}.ini", *args)
+    assert r.returncode == 0, f"{node} {' '.join(args)}: rc {r.returncode}\n{r.stdout}{r.stderr}"
+    return r
+
+
 def refused(replica, node: str, *args: str) -> str:
     """The command's one-line refusal (exit 2)."""
-    r = replica.cli(node, *args, check=False)
+    r = run_in_process(replica.tmp / f"{node}.ini", *args)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, f"rc {r.returncode}\n{r.stdout}{r.stderr}"
     assert r.stderr.startswith("pgcascade: role "), r.stderr
     return r.stderr
@@ -142,10 +150,10 @@ def test_setup_commands_name_the_grant_the_role_lacks(replica, repl):
         replica, "root", "create-root", "r", "--capture=logical"
     )
     assert replica.root.scalar("select to_regnamespace('pgcascade')") is None  # nothing was made
-    replica.cli("root", "create-root", "r")
+    verb(replica, "root", "create-root", "r")
     assert f"ALTER TABLE public.t OWNER TO {repl}" in refused(replica, "root", "add-table", "t")
     run(replica.root, f'alter table t owner to "{repl}"')
-    replica.cli("root", "add-table", "t")
+    verb(replica, "root", "add-table", "t")
 
     # a subscriber applies with session_replication_role = replica: it needs SET on it
     run(replica.leaf, f'alter database "{replica.leaf.name}" owner to "{repl}"')
@@ -153,13 +161,13 @@ def test_setup_commands_name_the_grant_the_role_lacks(replica, repl):
     srr = f"GRANT SET ON PARAMETER session_replication_role TO {repl}"
     assert srr in refused(replica, "leaf", "create-leaf", "l", "--provider", provider)
     run(replica.leaf, f'grant set on parameter session_replication_role to "{repl}"')
-    replica.cli("leaf", "create-leaf", "l", "--provider", provider)
+    verb(replica, "leaf", "create-leaf", "l", "--provider", provider)
     run(replica.leaf, f'revoke set on parameter session_replication_role from "{repl}"')
     assert srr in refused(replica, "leaf", "add-table", "t")
     run(replica.leaf, f'grant set on parameter session_replication_role to "{repl}"')
     assert f"ALTER TABLE public.t OWNER TO {repl}" in refused(replica, "leaf", "add-table", "t")
     run(replica.leaf, f'alter table t owner to "{repl}"')
-    replica.cli("leaf", "add-table", "t")
+    verb(replica, "leaf", "add-table", "t")
     assert replica.leaf.scalar("select count(*) from pgcascade.subscriber_table") == 1
 
 
@@ -168,11 +176,11 @@ def test_setup_commands_name_the_grant_the_role_lacks(replica, repl):
 
 def test_locations_and_location_events_never_carry_a_password(replica):
     root_location = f"{replica.root.connstr} password=s3cret"
-    out = replica.cli("root", "create-root", "root", root_location).stdout
+    out = verb(replica, "root", "create-root", "root", root_location).stdout
     assert "the password in location is not stored" in out
     c = replica.root.cluster
     provider = f"postgresql://postgres:s3cret@{c.address}:{c.port}/{replica.root.name}?application_name=x"
-    out = replica.cli("leaf", "create-leaf", "leaf1", "--provider", provider).stdout
+    out = verb(replica, "leaf", "create-leaf", "leaf1", "--provider", provider).stdout
     assert "the password in --provider is not stored" in out
 
     for db in (replica.root, replica.leaf):
@@ -234,23 +242,24 @@ def test_a_capture_daemon_refused_its_slot_says_what_to_grant_and_recovers(repli
         conn.execute(f'set role "{repl}"')
         conn.execute("create table t (id int primary key, v text)")
         conn.execute("insert into t select i, 'v' || i from generate_series(1, 50) i")
-    replica.cli("root", "create-root", "root", "--capture=logical")
-    replica.cli("root", "add-table", "t")
-    replica.cli(
+    verb(replica, "root", "create-root", "root", "--capture=logical")
+    verb(replica, "root", "add-table", "t")
+    verb(
+        replica,
         "leaf",
         "create-leaf",
         "leaf1",
         "--provider",
         replica.root.connstr.replace("user=postgres", f"user={repl}"),
     )
-    replica.cli("leaf", "add-table", "t", "--create")
+    verb(replica, "leaf", "add-table", "t", "--create")
     run(replica.root, f'alter role "{repl}" noreplication')
     replica.daemons.start(str(replica.root_ini), "capture")
     replica.start_ticker()
     replica.start_worker()
 
     def critical() -> str | None:
-        r = replica.cli("root", "status", "--check", check=False)
+        r = run_in_process(replica.root_ini, "status", "--check")
         return r.stdout if r.returncode == 2 and f"ALTER ROLE {repl} REPLICATION" in r.stdout else None
 
     assert "capture error" in wait_until(critical, timeout=60, what="the capture daemon's refusal in status")
@@ -258,7 +267,7 @@ def test_a_capture_daemon_refused_its_slot_says_what_to_grant_and_recovers(repli
     run(replica.root, "update t set v = v || '!' where id % 2 = 0", "insert into t values (51, 'after')")
     replica.wait_sync()
     replica.assert_equal("public.t")
-    assert replica.cli("root", "status", "--check").stdout.startswith("OK root")
+    assert verb(replica, "root", "status", "--check").stdout.startswith("OK root")
 
 
 def test_add_peer_names_the_grant_a_master_lacks(replica, repl):
@@ -268,14 +277,14 @@ def test_add_peer_names_the_grant_a_master_lacks(replica, repl):
         ini_as(replica, node, repl)
     leaf_ini = replica.tmp / "leaf.ini"  # every master is the root of a queue of its own
     leaf_ini.write_text(leaf_ini.read_text().replace("queue_name = rep", "queue_name = rep_b"))
-    replica.cli("root", "create-root", "a")
-    replica.cli("leaf", "create-root", "b")
+    verb(replica, "root", "create-root", "a")
+    verb(replica, "leaf", "create-root", "b")
     b = replica.leaf.connstr.replace("user=postgres", f"user={repl}")
     srr = f"GRANT SET ON PARAMETER session_replication_role TO {repl}"
     assert srr in refused(replica, "root", "add-peer", "b", "--location", f"{b} password=s3cret")
     assert replica.root.scalar("select count(*) from pgcascade.node") == 1  # nothing was made
     run(replica.root, f'grant set on parameter session_replication_role to "{repl}"')
-    out = replica.cli("root", "add-peer", "b", "--location", f"{b} password=s3cret").stdout
+    out = verb(replica, "root", "add-peer", "b", "--location", f"{b} password=s3cret").stdout
     assert "the password in --location is not stored" in out
     assert "s3cret" not in replica.root.scalar(
         "select string_agg(node_location, ' ') from pgcascade.node_location"

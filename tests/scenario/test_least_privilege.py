@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import Daemons, Database, drop_roles, run_cli, table_checksum
+from conftest import Daemons, Database, drop_roles, run_cli, run_in_process, table_checksum
 from test_replication import PGBENCH_TABLES
 
 from pgcascade.core.pgbin import pg_bindir
@@ -97,18 +97,23 @@ def restricted(make_db, tmp_path: Path) -> Iterator[Restricted]:
     r.drop()
 
 
-def cli(r: Restricted, ini: Path, *args: str, rc: int = 0) -> subprocess.CompletedProcess[str]:
-    out = run_cli(str(ini), *args, env=r.env)
-    assert out.returncode == rc, (
+def cli(ini: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """A command, in this process (its environment has the password file); the daemons, and
+    the refusal the test is about, run as processes."""
+    out = run_in_process(ini, *args)
+    assert out.returncode == 0, (
         f"pgcascade {ini.stem} {' '.join(args)}: rc {out.returncode}\n{out.stdout}{out.stderr}"
     )
     return out
 
 
-def test_every_connection_as_an_ordinary_role(restricted, make_db, tmp_path: Path, daemons: Daemons):
+def test_every_connection_as_an_ordinary_role(
+    restricted, make_db, tmp_path: Path, daemons: Daemons, monkeypatch: pytest.MonkeyPatch
+):
     """root -> branch -> leaf, trigger capture, pgbench as a role that owns nothing: the
     subscribers end equal to the root, and no password is in any node's dump or server log."""
     r = restricted
+    monkeypatch.setenv("PGPASSFILE", str(r.passfile))  # for the commands run in this process
     root, branch, leaf = make_db("a"), make_db("b"), make_db("b")
     for c in (root.cluster, branch.cluster):
         r.add_cluster(c)
@@ -136,20 +141,21 @@ def test_every_connection_as_an_ordinary_role(restricted, make_db, tmp_path: Pat
 
     root_ini, branch_ini, leaf_ini = ini("root", root), ini("branch", branch), ini("leaf", leaf)
     with_password = f"{r.dsn(root)} password={r.password}"
-    out = cli(r, root_ini, "create-root", "root", with_password)
+    out = cli(root_ini, "create-root", "root", with_password)
     assert "password in location is not stored" in out.stdout
-    cli(r, root_ini, "add-table", "--all")
+    cli(root_ini, "add-table", "--all")
 
     # a subscriber's role without SET on session_replication_role: refused up front, in one line
-    refused = cli(r, branch_ini, "create-branch", "branch", "--provider", with_password, rc=2)
+    refused = run_cli(branch_ini, "create-branch", "branch", "--provider", with_password, env=r.env)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
     assert refused.stderr.count("\n") == 1 and f"{SRR_GRANT} {r.repl}" in refused.stderr, refused.stderr
     assert branch.scalar("select to_regnamespace('pgcascade')") is None  # nothing was made
     r.grant_srr(branch.cluster)
-    out = cli(r, branch_ini, "create-branch", "branch", "--provider", with_password)
+    out = cli(branch_ini, "create-branch", "branch", "--provider", with_password)
     assert "password in --provider is not stored" in out.stdout
-    cli(r, leaf_ini, "create-leaf", "leaf", "--provider", f"{r.dsn(branch)} passfile={r.passfile}")
+    cli(leaf_ini, "create-leaf", "leaf", "--provider", f"{r.dsn(branch)} passfile={r.passfile}")
     for node in (branch_ini, leaf_ini):
-        cli(r, node, "add-table", "--all", "--create")
+        cli(node, "add-table", "--all", "--create")
 
     # the grant taken away before the daemons start: the error, with the grant, in status --check
     r.grant_srr(branch.cluster, on=False)
@@ -158,7 +164,7 @@ def test_every_connection_as_an_ordinary_role(restricted, make_db, tmp_path: Pat
         daemons.start(str(node), "worker", env={"PGPASSFILE": str(r.passfile)})
 
     def critical() -> str | None:
-        check = run_cli(str(branch_ini), "status", "--check", env=r.env)
+        check = run_in_process(branch_ini, "status", "--check")
         return check.stdout if check.returncode == 2 and SRR_GRANT in check.stdout else None
 
     line = wait_until(critical, timeout=60, what="status --check to name the missing grant")
@@ -173,8 +179,8 @@ def test_every_connection_as_an_ordinary_role(restricted, make_db, tmp_path: Pat
     )
     assert bench.returncode == 0 and "failed transactions: 0 " in bench.stdout, bench.stdout + bench.stderr
     for node in (branch_ini, leaf_ini):
-        cli(r, node, "wait-sync", "--timeout", "120")
-        assert cli(r, node, "status", "--check").stdout.startswith("OK")
+        cli(node, "wait-sync", "--timeout", "120")
+        assert cli(node, "status", "--check").stdout.startswith("OK")
 
     assert table_checksum(root, "pgbench_history")[0] > 100
     for t in PGBENCH_TABLES:
