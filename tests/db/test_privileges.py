@@ -201,7 +201,7 @@ def test_locations_and_location_events_never_carry_a_password(replica):
     assert conninfo_to_dict(leaf_view) == expected  # the provider as given, but its password
 
 
-def test_the_upgrade_takes_passwords_out_of_stored_locations(make_db):
+def test_the_upgrade_takes_passwords_out_of_stored_locations(make_db, write_config):
     """Migration 12 cleans what earlier releases stored, as pgconn.without_secrets would."""
     db = make_db()
     kept = ["host=h dbname=x", "host=h passfile=/etc/pgcascade/pgpass dbname=x"]
@@ -219,7 +219,9 @@ def test_the_upgrade_takes_passwords_out_of_stored_locations(make_db):
             "insert into pgcascade.event (ev_id, ev_time, ev_part, ev_type, ev_data, ev_extra1)"
             " values (99, now(), 1000, 'I', '{}', 'password=not-a-location')"
         )
-        schema.install(conn)
+    out = run_in_process(write_config("up", db=db.connstr), "install").stdout
+    assert "node locations no longer carry passwords" in out, out
+    with db.connect() as conn:
         locations = dict(conn.execute("select node_name, node_location from pgcascade.node_location"))
         events = dict(conn.execute("select ev_id, ev_extra1 from pgcascade.event"))
     for i, dsn in enumerate(SECRET_DSNS + kept):

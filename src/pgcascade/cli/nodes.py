@@ -12,6 +12,8 @@ from pgcascade.core import schema
 from pgcascade.core.errors import UserError
 from pgcascade.pgq.node import NodeType
 
+NO_STORED_SECRETS = 12  # the schema version that took passwords out of stored locations
+
 
 @click.command()
 @click.option(
@@ -29,6 +31,11 @@ def install(ctx: Context, pgq_compat: bool) -> None:
         click.echo(f"pgcascade schema is at version {after}; functions refreshed")
     else:
         click.echo(f"pgcascade schema upgraded from version {before} to {after}")
+    if 0 < before < NO_STORED_SECRETS <= after:
+        click.echo(
+            "node locations no longer carry passwords: the daemons take them from ~/.pgpass, a service"
+            ' file or PGPASSWORD on their host (docs/operations.md, "Security")'
+        )
     if compat:
         click.echo("pgq compatibility schema installed (PgQ 3 API on pgcascade's queue)")
 
