@@ -5,6 +5,7 @@ of every table on every master, computed by PostgreSQL."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import random
 import signal
@@ -651,3 +652,67 @@ def test_a_master_that_joins_copies_a_table_from_a_peer_while_the_others_write(
                 " tick_id from pgcascade.conflict"
             ).fetchall()
         assert found == [], f"{m.name}: {found[:5]}"
+
+
+def test_truncates_on_one_master_racing_writes_on_the_others_converge(two_way: TwoWaySet, make_db) -> None:
+    """Master a truncates a table again and again while b and c insert and update rows of it: a
+    row change the truncating master had not seen is judged against the TRUNCATE by the policy
+    (last-update-wins: the row stays if it is newer), on every master alike, so all three end
+    equal - whatever order each received the TRUNCATEs and the changes in."""
+    masters = [two_way.add_master(n, make_db(n)) for n in ("a", "b", "c")]
+    for m in masters:
+        make_tables(m, "t")
+        m.execute("insert into t select i, 0, 'seed' from generate_series(1, 100) i")
+        m.cli("add-table", "t")
+    two_way.connect_all()
+    two_way.start()
+    a, b, c = masters
+    stop = threading.Event()
+    errors: list[Exception] = []
+
+    def writer(m: Master, first: int) -> None:
+        rnd = random.Random(first)
+        try:
+            with m.db.connect() as conn:
+                for n in itertools.count():
+                    if stop.is_set():
+                        return
+                    conn.execute(  # keys of its own: every row change races a's truncates
+                        "insert into t values (%s, 0, %s) on conflict (id) do update set balance = t.balance + 1",
+                        (first + n, m.name),
+                    )
+                    conn.execute(
+                        "update t set balance = balance + 1, note = %s where id = %s",
+                        (m.name, first + rnd.randint(0, n)),
+                    )
+                    time.sleep(0.005)
+        except psycopg.Error as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(m, k)) for m, k in ((b, 1000), (c, 1_000_000))]
+    for t in threads:
+        t.start()
+    try:
+        for i in range(6):
+            time.sleep(0.7)
+            if i % 2 == 0:
+                a.execute("truncate t")
+            else:  # rows inserted in the TRUNCATE's own transaction are after it
+                with a.db.connect() as conn, conn.transaction():
+                    conn.execute("truncate t")
+                    conn.execute("insert into t values (%s, 1, 'a')", (-i - 1,))
+        time.sleep(0.7)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors, errors
+    for m in masters:
+        m.cli("wait-sync", "--timeout", "120")
+    sums = two_way.checksums("t")
+    assert len(set(sums.values())) == 1, f"t differs after wait-sync on every master: {sums}"
+    rows = two_way.rows("a", "t")
+    assert {k for k in rows if k < 0} == {-6}, sorted(rows)[:10]  # inserted with the last truncate
+    assert any(k >= 1000 for k in rows), "no row written after the last truncate survived"
+    kinds = {k for m in masters for _t, k, *_ in conflicts_of(m)}
+    assert "update/truncate" in kinds, f"no change raced a truncate: {kinds}"

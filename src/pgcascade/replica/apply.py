@@ -36,6 +36,7 @@ from pgcascade.pgq import queue as q
 from pgcascade.pgq.queue import BatchInfo
 from pgcascade.replica import applysql
 from pgcascade.replica.conflicts import DEFAULT_POLICY
+from pgcascade.replica.peer_truncate import apply_peer_truncate
 from pgcascade.replica.tables import SubscriberTable, peer_policies
 
 log = logging.getLogger("pgcascade.apply")
@@ -350,7 +351,11 @@ def apply_staged(
             a = appliers.get(ev_extra1)
             if a is None:
                 stats.ignored += 1
-            elif skip is None or not visible_in(sub, ev_id, skip):
+            elif skip is not None and visible_in(sub, ev_id, skip):
+                pass  # before the copy's snapshot: the copied rows are after it
+            elif peer is not None:  # by the rules of two-way TRUNCATE: masters converge
+                stats.conflicts += apply_peer_truncate(sub, a.table, a.dest, a.keys, ev_id, peer)
+            else:
                 pending_truncate.append(a.dest)
             continue
         flush_truncate(sub, pending_truncate)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
 from pgcascade.core.errors import UserError
 
@@ -75,6 +76,43 @@ class ConflictPolicy:
 
     def __str__(self) -> str:
         return self.kind.value + (f":{self.arg}" if self.arg else "")
+
+
+# the later commit time wins; the greater node name on a tie (first-update-wins: the reverse)
+_BY_TIME = (
+    "(case when coalesce(local_time, '-infinity') {cmp} remote_time"
+    " or (coalesce(local_time, '-infinity') = remote_time and local_origin {cmp} {peer})"
+    " then 'remote' else 'local' end)"
+)
+
+
+def winner_sql(policy: ConflictPolicy, peer: sql.Composable, table: sql.Composable) -> sql.Composable:
+    """The SQL expression of the winner of a conflict ('local', 'remote', or anything else to stop
+    the batch) over the columns the peer apply decides on: conflict, local_t (the local row),
+    local_origin, local_time, ev_data (the remote row, JSON), remote_time."""
+    lww = sql.SQL(_BY_TIME).format(cmp=sql.SQL("<"), peer=peer)
+    match policy.kind:
+        case PolicyKind.LAST_UPDATE_WINS:
+            return lww
+        case PolicyKind.FIRST_UPDATE_WINS:
+            return sql.SQL(_BY_TIME).format(cmp=sql.SQL(">"), peer=peer)
+        case PolicyKind.ORIGIN_WINS:
+            node = sql.Literal(policy.arg)
+            return sql.SQL(
+                "(case when {peer} = {node} then 'remote' when local_origin = {node} then 'local' else {lww} end)"
+            ).format(peer=peer, node=node, lww=lww)
+        case PolicyKind.FUNCTION:
+            assert policy.arg is not None and NAME.fullmatch(policy.arg)  # a name, checked by parse
+            return sql.SQL(
+                "{fn}(conflict, {table}::text, to_jsonb(local_t), ev_data::jsonb, local_origin, {peer}::text,"
+                " local_time, remote_time)"
+            ).format(fn=sql.SQL(policy.arg), table=table, peer=peer)
+        case PolicyKind.KEEP_LOCAL:
+            return sql.SQL("'local'")
+        case PolicyKind.APPLY_REMOTE:
+            return sql.SQL("'remote'")
+        case PolicyKind.ERROR:
+            return sql.SQL("'error'")
 
 
 @dataclass(frozen=True)

@@ -83,14 +83,15 @@ end $$;
 
 -- pgcascade.two_way_table(table, keys, on) -> void: make a set table of a master two-way (its
 -- capture triggers fire in a peer's apply too, which runs as a replica session; tombstones of
--- local deletes) or one-way again.
+-- local deletes and truncates: 94_two_way_truncate.sql) or one-way again.
 create or replace function pgcascade.two_way_table(i_table regclass, i_keys text[], i_on bool) returns void
 language plpgsql as $$
 declare
     t text;
 begin
     -- already so: no ALTER TABLE (its lock would wait for, and hold up, the table's writers)
-    if i_on = exists (select 1 from pg_trigger where tgrelid = i_table and tgname = '_pgcascade_tombstone_key')
+    if (select count(*) from pg_trigger where tgrelid = i_table
+         and tgname in ('_pgcascade_tombstone_key', '_pgcascade_tombstone_trunc')) = (case when i_on then 2 else 0 end)
        and not exists (select 1 from pg_trigger where tgrelid = i_table and tgname like '\_pgcascade\_capture\_%'
                           and (tgenabled = 'A') <> i_on) then
         return;
@@ -104,6 +105,7 @@ begin
     execute format('drop trigger if exists _pgcascade_tombstone_del on %s', i_table);
     execute format('drop trigger if exists _pgcascade_tombstone_upd on %s', i_table);  -- made before migration 11
     execute format('drop trigger if exists _pgcascade_tombstone_key on %s', i_table);
+    execute format('drop trigger if exists _pgcascade_tombstone_trunc on %s', i_table);
     if i_on then
         execute format('create trigger _pgcascade_tombstone_del after delete on %s referencing old table as pgcascade_old'
                        ' for each statement execute function pgcascade.record_tombstones(%s)',
@@ -114,6 +116,8 @@ begin
                        array_to_string(array(select format('old.%I is distinct from new.%I', k, k)
                                                from unnest(i_keys) k), ' or '),
                        array_to_string(array(select quote_literal(k) from unnest(i_keys) k), ', '));
+        execute format('create trigger _pgcascade_tombstone_trunc after truncate on %s'
+                       ' for each statement execute function pgcascade.record_truncate()', i_table);
     end if;
 end $$;
 
@@ -190,6 +194,15 @@ begin
       from pgcascade.peer_copy c
      where c.table_name = i_table and n.local_exists and c.xid = n.local_xid
        and n.rv_xid is distinct from n.local_xid;
+    -- a key absent here since a TRUNCATE newer than its own tombstone: that TRUNCATE is its
+    -- version (94_two_way_truncate.sql)
+    update pg_temp.pgcascade_peer_net n
+       set (rv_origin, rv_tick, rv_time, rv_xid, rv_deleted) =
+           (nullif(t.origin, i_self), t.origin_tick, t.origin_time, t.xid, true)
+      from pgcascade.truncate_version(i_table, i_self) t
+     where not n.local_exists
+       and (n.rv_xid is null or (t.origin_time, t.origin) > (coalesce(n.rv_time, pgcascade.commit_time(n.rv_xid),
+                                                                       '-infinity'), coalesce(n.rv_origin, i_self)));
     update pg_temp.pgcascade_peer_net n set
         local_kind = case when n.local_exists and n.rv_xid = n.local_xid and not n.rv_deleted then 'peer'
                           when n.local_exists then 'local'
@@ -228,6 +241,8 @@ begin
         when n.seen then null
         when n.local_exists and n.ev_type = 'D' then 'update/delete'
         when n.local_exists then 'update/update'
+        when exists (select 1 from pgcascade.table_truncate t where t.table_name = i_table and t.xid = n.rv_xid)
+            then 'update/truncate'
         else 'update/delete' end;
     -- who wins, by the policy
     v_winner := case
