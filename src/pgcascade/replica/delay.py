@@ -3,7 +3,7 @@
 The batch boundary is chosen by the provider's tick times (pgcascade.delayed_tick, PgQ's
 next_batch_custom min_lag as a cap): the worker applies up to the newest tick that old, so the
 leaf is always at a point in time of the set, one delay behind.  Between batches it sleeps until
-the next tick is old enough, not waking at every tick notified meanwhile.
+the next tick is old enough (a loop_delay at most), not waking at every tick notified meanwhile.
 
 The delay the worker runs with goes into its node row (`apply_delay`), where `status`,
 `status --check` and `wait-sync` read it from any node.  A branch, a merge-leaf and a master
@@ -67,11 +67,12 @@ class ApplyDelay:
         due = due if due is not None else node.last_tick or 0
         return due if limit is None else min(due, limit)
 
-    def sleep(self, prov: psycopg.Connection | None, interrupted: Callable[[], bool]) -> None:
-        """Until the next tick is old enough: the ticks notified meanwhile are not (they are
-        drained after), and a stop or reload request (`interrupted`) cuts the sleep short."""
+    def sleep(self, prov: psycopg.Connection | None, most: float, interrupted: Callable[[], bool]) -> None:
+        """Until the next tick is old enough, `most` seconds at most (a round also beats the
+        daemon's heartbeat and reports its watermark): the ticks notified meanwhile are not old
+        enough (they are drained after), and a stop or reload request cuts the sleep short."""
         assert self.due_in is not None
-        deadline = time.monotonic() + max(self.due_in, 0.01)
+        deadline = time.monotonic() + min(max(self.due_in, 0.01), most)
         while not interrupted() and time.monotonic() < deadline:
             time.sleep(min(0.2, deadline - time.monotonic()))
         if prov is not None and not prov.closed:

@@ -169,7 +169,7 @@ class Worker(Daemon):
         its next tick is old enough."""
         if self.delay.due_in is not None:
             try:
-                self.delay.sleep(self.prov, lambda: self.stop_requested or self.reload_requested)
+                self.delay.sleep(self.prov, seconds, lambda: self.stop_requested or self.reload_requested)
             except psycopg.Error:
                 self.drop_connections()
             return
