@@ -6,13 +6,15 @@ import pytest
 from conftest import SECRET_DSNS
 from psycopg.conninfo import conninfo_to_dict
 
-from pgcascade.core.errors import redact
+from pgcascade.core.config import JobConfig, WorkerSettings
+from pgcascade.core.errors import ConfigError, redact
 from pgcascade.core.hooks import pause_point
 from pgcascade.core.pgconn import has_secret, without_secrets
 from pgcascade.core.privileges import grant_hint, quote_ident
-from pgcascade.pgq.node import NodeRole, NodeType
+from pgcascade.pgq.node import Node, NodeRole, NodeType
 from pgcascade.pipeline import segments as sg
 from pgcascade.pipeline.compare import diff_keys, range_buckets
+from pgcascade.replica.delay import refuse_apply_delay
 from pgcascade.replica.worker import batch_cap
 
 
@@ -21,6 +23,24 @@ def test_node_roles_follow_the_skytools_table():
     assert (root.captures_changes, root.has_queue, root.reads_provider_queue) == (True, True, False)
     assert (branch.copies_events, branch.has_queue, branch.reads_provider_queue) == (True, True, True)
     assert (leaf.has_queue, leaf.may_merge_ticks, leaf.copies_events) == (False, True, False)
+
+
+def test_apply_delay_is_refused_but_on_a_leaf(tmp_path):
+    delayed = JobConfig(tmp_path / "n.ini", "n", worker=WorkerSettings(apply_delay=3600.0))
+
+    def node(node_type: NodeType, **extra) -> Node:
+        return Node("q", "n1", node_type, "p", "n1", 7, False, None, **extra)
+
+    refuse_apply_delay(delayed, node(NodeType.LEAF))
+    refuse_apply_delay(JobConfig(tmp_path / "n.ini", "n"), node(NodeType.BRANCH))  # no delay set
+    for refused, what in (
+        (node(NodeType.BRANCH), "is a branch"),
+        (node(NodeType.ROOT), "is a root"),
+        (node(NodeType.LEAF, combined_queue="all"), "is a merge-leaf"),
+        (node(NodeType.LEAF, peer_of="q_a"), "is a master"),
+    ):
+        with pytest.raises(ConfigError, match=f"apply_delay is for a leaf, and n1 {what}"):
+            refuse_apply_delay(delayed, refused)
 
 
 @pytest.mark.parametrize(
