@@ -9,6 +9,7 @@ application writes through pgbench as a role that owns nothing.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import uuid
@@ -169,6 +170,12 @@ def test_every_connection_as_an_ordinary_role(
 
     line = wait_until(critical, timeout=60, what="status --check to name the missing grant")
     assert line.startswith("CRITICAL branch") and line.count("\n") == 1, line
+
+    def copy_refused() -> bool:  # the copy processes too, each with its table
+        tables = json.loads(run_in_process(branch_ini, "tables", "--json").stdout)
+        return any(SRR_GRANT in (t["last_error"] or "") for t in tables)
+
+    wait_until(copy_refused, timeout=60, what="a copy's error with the grant in tables --json")
     r.grant_srr(branch.cluster)  # and it recovers by itself
 
     bench = subprocess.run(
