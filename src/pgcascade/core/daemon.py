@@ -13,7 +13,6 @@ refused whatever its ini and pidfile, and one that lost its lock to another stop
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import signal
@@ -25,7 +24,7 @@ import psycopg
 
 from pgcascade.core import metrics, privileges
 from pgcascade.core.config import JobConfig, load_config
-from pgcascade.core.daemonlock import AlreadyRunning, DaemonLock, DaemonRole
+from pgcascade.core.daemonlock import AlreadyRunning, DaemonLock, DaemonRole, pid_alive
 from pgcascade.core.errors import ConfigError, RuntimeFailure, UserError, redact
 
 log = logging.getLogger("pgcascade")
@@ -63,23 +62,6 @@ def read_pid(pidfile: Path) -> int | None:
         return int(pidfile.read_text().strip())
     except (OSError, ValueError):
         return None
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError as e:
-        return e.errno == errno.EPERM
-    # a zombie child of ours still answers kill(0); reap it if it is one
-    with contextlib.suppress(ChildProcessError):
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        if done == pid:
-            return False
-    # a zombie of another parent (exited, not reaped yet) answers too, but it is not running
-    with contextlib.suppress(OSError, IndexError):
-        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-            return False
-    return True
 
 
 def signal_daemon(cfg: JobConfig, sig: signal.Signals, wait: float = 30.0) -> int:

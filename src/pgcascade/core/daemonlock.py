@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import logging
 import os
 import select
@@ -34,6 +35,7 @@ import socket
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -59,6 +61,24 @@ SESSION_SETTINGS = (
     "set idle_session_timeout = 0; set tcp_keepalives_idle = 10; set tcp_keepalives_interval = 3;"
     " set tcp_keepalives_count = 3; set tcp_user_timeout = 10000"
 )
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie does not)."""
+    try:
+        os.kill(pid, 0)
+    except OSError as e:
+        return e.errno == errno.EPERM
+    # a zombie child of ours still answers kill(0); reap it if it is one
+    with contextlib.suppress(ChildProcessError):
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done == pid:
+            return False
+    # a zombie of another parent (exited, not reaped yet) answers too, but it is not running
+    with contextlib.suppress(OSError, IndexError):
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            return False
+    return True
 
 
 class DaemonRole(enum.StrEnum):
@@ -87,29 +107,46 @@ def when(t: datetime | None) -> str:
     return "?" if t is None else t.strftime("%Y-%m-%d %H:%M:%S %Z").strip()
 
 
-# pg_locks shows a two-key advisory lock as classid, objid (unsigned), objsubid 2
+def lock_key(role: DaemonRole, queue: str) -> dict[str, Any]:
+    return {"role": role.value, "queue": queue, "class": role.lock_class}
+
+
+# the session holding the lock of (role, queue): pg_locks shows a two-key advisory lock as
+# classid, objid (unsigned), objsubid 2
 HOLDER = """
-    select l.pid, d.job_name, d.host, d.pid, d.config, d.started, d.backend_pid = l.pid,
-           a.application_name, a.client_addr::text, a.backend_start
-      from pg_locks l
-      left join pgcascade.daemon d on d.role = %(role)s and d.queue_name = %(queue)s
-      left join pg_stat_activity a on a.pid = l.pid
+    select l.pid, a.application_name, a.client_addr::text, a.backend_start
+      from pg_locks l left join pg_stat_activity a on a.pid = l.pid
      where l.locktype = 'advisory' and l.granted and l.objsubid = 2
        and l.database = (select oid from pg_database where datname = current_database())
        and l.classid = %(class)s::int8::oid and l.objid = (hashtext(%(queue)s)::int8 & 4294967295)::oid
 """
 
 
+def table_exists(conn: psycopg.Connection) -> bool:
+    """pgcascade.daemon is there (a schema not upgraded yet has none)."""
+    return conn.execute("select to_regclass('pgcascade.daemon') is not null").fetchone() == (True,)
+
+
 def holder(conn: psycopg.Connection, role: DaemonRole, queue: str) -> str | None:
     """Who holds the lock of (role, queue) here, in words; None when nobody does."""
-    row = conn.execute(HOLDER, {"role": role.value, "queue": queue, "class": role.lock_class}).fetchone()
-    if row is None:
+    session = conn.execute(HOLDER, lock_key(role, queue)).fetchone()
+    if session is None:
         return None
-    backend, job, host, pid, config, started, ours, app, addr, backend_start = row
-    if ours:
+    backend, app, addr, backend_start = session
+    row = (
+        conn.execute(
+            "select job_name, host, pid, config, started from pgcascade.daemon"
+            " where role = %s and queue_name = %s and backend_pid = %s",
+            (role.value, queue, backend),
+        ).fetchone()
+        if table_exists(conn)
+        else None
+    )
+    if row is not None:
+        job, host, pid, config, started = row
         where = f" ({config})" if config else ""
         return f"pid {pid} on {host}, job {job}{where}, since {when(started)}"
-    # a row of an earlier holder, or none: what the server knows of the session
+    # no row of that session (a schema not upgraded): what the server knows of it
     frm = f" from {addr}" if addr else ""
     return f"session {backend} ({app or 'application_name unknown'}{frm}) since {when(backend_start)}"
 
@@ -130,7 +167,7 @@ class DaemonLock:
 
     @property
     def key(self) -> dict[str, Any]:
-        return {"role": self.role.value, "queue": self.queue, "class": self.role.lock_class}
+        return lock_key(self.role, self.queue)
 
     def acquire(self) -> psycopg.Connection:
         """Connect and take the lock; AlreadyRunning (naming the holder) if another daemon has it."""
@@ -199,25 +236,18 @@ class DaemonLock:
             time.sleep(0.1)
 
     def _holder_is_gone(self, conn: psycopg.Connection) -> bool:
-        if not self.table_exists(conn):
+        if not table_exists(conn):
             return False
         row = conn.execute(
             "select host, pid from pgcascade.daemon where role = %(role)s and queue_name = %(queue)s",
             self.key,
         ).fetchone()
-        if row is None or row[0] != socket.gethostname() or row[1] == os.getpid():
-            return False
-        try:
-            os.kill(row[1], 0)
-        except ProcessLookupError:
-            return True
-        except OSError:
-            return False
-        return False
-
-    @staticmethod
-    def table_exists(conn: psycopg.Connection) -> bool:
-        return conn.execute("select to_regclass('pgcascade.daemon') is not null").fetchone() == (True,)
+        return (
+            row is not None
+            and row[0] == socket.gethostname()
+            and row[1] != os.getpid()
+            and not pid_alive(row[1])
+        )
 
     def keep(self) -> psycopg.Connection:
         """Before a round: the lock is held (taken again after a lost connection) and the
@@ -294,17 +324,15 @@ class DaemonState:
 
 def daemon_state(conn: psycopg.Connection, role: DaemonRole, queue: str) -> DaemonState:
     """The state of the daemon (role, queue) of this database."""
-    if conn.execute("select to_regclass('pgcascade.daemon') is null").fetchone() == (True,):
-        return DaemonState(role, queue, False)
-    running = conn.execute(
-        f"select exists ({HOLDER})", {"role": role.value, "queue": queue, "class": role.lock_class}
-    ).fetchone()
-    row = conn.execute(
-        "select job_name, host, pid, started, heartbeat, now() - heartbeat, stopped from pgcascade.daemon"
-        " where role = %s and queue_name = %s",
-        (role.value, queue),
-    ).fetchone()
-    is_running = bool(running and running[0])
-    if row is None:
-        return DaemonState(role, queue, is_running)
-    return DaemonState(role, queue, is_running, *row)
+    found = conn.execute(f"select exists ({HOLDER})", lock_key(role, queue)).fetchone()
+    running = bool(found and found[0])
+    row = (
+        conn.execute(
+            "select job_name, host, pid, started, heartbeat, now() - heartbeat, stopped from pgcascade.daemon"
+            " where role = %s and queue_name = %s",
+            (role.value, queue),
+        ).fetchone()
+        if table_exists(conn)
+        else None
+    )
+    return DaemonState(role, queue, running) if row is None else DaemonState(role, queue, running, *row)
