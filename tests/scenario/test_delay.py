@@ -47,7 +47,8 @@ def test_a_delayed_leaf_stays_its_delay_behind_and_catches_up_after_it(replica) 
     r.wait_sync(timeout=60)  # copied without a delay: a table's copy hands over one delay late
     r.ini("leaf", r.leaf, apply_delay="5s")
     r.cli("leaf", "worker", "-r")  # the delay is taken on reload
-    wait_until(lambda: status(r)["apply_delay_seconds"] == DELAY, timeout=30, what="the delay in status")
+    wait_until(lambda: r.leaf.scalar("select apply_delay from pgcascade.node"), timeout=30, what="the reload")
+    assert status(r)["apply_delay_seconds"] == DELAY
     short = r.cli("leaf", "wait-sync", "--timeout", "3", check=False)
     assert short.returncode == 2 and "applies changes 5 s late (apply_delay)" in short.stderr, short.stderr
 
