@@ -469,7 +469,8 @@ class Worker(Daemon):
         self, sub: psycopg.Connection, prov: psycopg.Connection, tables: list[subscriber.SubscriberTable]
     ) -> dict[str, TableApplier]:
         ok = [t for t in tables if t.state.is_ok]
-        key = tuple((t.table_name, t.dest_table) for t in ok)
+        # a table removed and added again with another filter or columns (--expect-sync) is rebuilt too
+        key = tuple((t.table_name, t.dest_table, t.row_filter, str(t.column_list)) for t in ok)
         if key != self.applier_key:
             formats = set_tables.event_formats(prov, self.queue)
             self.appliers = {
