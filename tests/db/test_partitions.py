@@ -145,7 +145,7 @@ def test_partitioned_root_table_with_a_partition_attached_under_writes(replica, 
     want = table_checksum(r.root, EVENTS)
     assert want == table_checksum(r.leaf, EVENTS) == table_checksum(leaf2, EVENTS)
     assert (
-        r.root.scalar("select count(*) from events_p2") > 5
+        r.root.scalar("select count(*) from events_p2") > 0
         and r.leaf.scalar("select relkind from pg_class where relname = 'events'") == "r"
     )
     if capture == "trigger":
