@@ -2,7 +2,8 @@
 leaf (another ini, another pidfile) and a second ticker for a database are refused at once in
 one line naming the first; the first keeps replicating; a worker killed with SIGKILL is shown
 by `status`, `status --json` and `status --check` (critical) at once, and the second can start
-then.  A worker whose lock's session is ended takes the lock again and goes on."""
+then.  A worker whose lock's session is ended takes the lock again and goes on.  A killed
+ticker makes the root's check critical."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def test_a_second_worker_is_refused_and_a_killed_one_is_critical_at_once(replica
         conn.execute("create table public.t (id int primary key, v text)")
     write(replica.root, 1, 100)
     replica.setup(["public.t"])
-    replica.start_ticker()
+    ticker = replica.start_ticker()
     first = replica.start_worker()
     replica.wait_sync(60)
 
@@ -98,3 +99,11 @@ def test_a_second_worker_is_refused_and_a_killed_one_is_critical_at_once(replica
     wait_until(lambda: "worker lock of set rep" in replica.log("leaf_again"), 10, what="the lock taken again")
     assert second.poll() is None and worker_entry(replica)["running"] is True
     assert table_checksum(replica.root, "public.t") == table_checksum(replica.leaf, "public.t")
+
+    # the root's ticker killed: the root's check names it (a root's worker is not needed)
+    assert replica.cli("root", "status", "--check").returncode == 0
+    daemons.kill(ticker, signal.SIGKILL)
+    crit = replica.cli("root", "status", "--check", check=False)
+    assert crit.returncode == 2 and crit.stdout.startswith("CRITICAL root (root): ticker not running"), (
+        crit.stdout
+    )
