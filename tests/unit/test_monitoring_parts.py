@@ -52,3 +52,38 @@ def test_check_is_critical_on_errors_and_an_unreachable_provider():
     assert check(root, 5.0).code == 0
     root["capture"] = {"mode": "logical", "last_error": "slot missing"}
     assert check(root, 5.0).line == "CRITICAL r (root): capture error: slot missing"
+
+
+def daemon(role, running, needed, **extra):
+    base = {"role": role, "running": running, "critical": needed and not running, "job": None, "host": None}
+    return {
+        **base,
+        "pid": None,
+        "started": None,
+        "last_seen": None,
+        "last_seen_seconds": None,
+        "stopped": None,
+        **extra,
+    }
+
+
+def test_check_is_critical_when_a_needed_daemon_is_not_running():
+    seen = {"job": "l1", "host": "db2", "pid": 7, "last_seen": "2025-03-01T10:00:00+00:00"}
+    killed = daemon("worker", False, True, last_seen_seconds=125.0, **seen)
+    assert (
+        check(leaf(daemons=[killed]), 30.0).line
+        == "CRITICAL l1 (leaf): worker not running (last seen 2.1 min ago, pid 7 on db2, did not stop cleanly)"
+    )
+    stopped = daemon(
+        "worker", False, True, last_seen_seconds=3.0, stopped="2025-03-01T10:00:00+00:00", **seen
+    )
+    assert check(leaf(daemons=[stopped]), None).line.endswith("(last seen 3.0 s ago, pid 7 on db2, stopped)")
+    never = daemon("worker", False, True)
+    assert (
+        check(leaf(daemons=[never]), None).line
+        == "CRITICAL l1 (leaf): worker not running (never started here)"
+    )
+    # not needed (a root's worker without peers, a ticker never seen here): not judged
+    assert check(leaf(daemons=[daemon("ticker", False, False)]), None).code == 0
+    running = daemon("worker", True, True, last_seen_seconds=0.4, **seen)
+    assert check(leaf(daemons=[running]), 30.0).code == 0

@@ -5,9 +5,10 @@ A subclass implements `work() -> bool` (True: there may be more to do at once; F
 daemons do: a pidfile that refuses a second copy, `-d` (detach), signals (SIGINT: stop after
 the current unit of work, `-s`; SIGTERM: stop now, `-k`; SIGHUP: reload, `-r`), logging to the
 logfile, and a back-off after errors so a database restart does not become a tight loop.  A
-daemon that a node runs once (`lock_role`: the worker, the capture daemon) holds its lock in
-the node's database and checks it before every round (core/daemonlock.py): a second copy is
-refused whatever its ini and pidfile, and one that lost its lock to another stops.
+daemon that a node runs once (`lock_role`: the worker, the capture daemon; the ticker takes one
+per database it serves) holds its lock in the node's database and checks it before every round
+(core/daemonlock.py): a second copy is refused whatever its ini and pidfile, and one that lost
+its lock to another stops.
 """
 
 from __future__ import annotations

@@ -307,7 +307,7 @@ def daemon_entry(d: DaemonState, needed: bool) -> dict[str, Any]:
 
 
 def daemon_line(d: dict[str, Any]) -> str:
-    """One daemon in words: 'worker not running (last seen 2.0 min ago, killed)'."""
+    """One daemon in words: 'worker not running (last seen 2.0 min ago, pid 7 on db2, stopped)'."""
     if d["running"]:
         return (
             f"{d['role']} running, pid {d['pid']} on {d['host']} (job {d['job']}),"
