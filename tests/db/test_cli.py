@@ -124,7 +124,10 @@ def test_upgrade_from_version_1(make_db, write_config, cli):
     cfg = write_config("up", db=db.connstr)
 
     out = ok(cli(cfg, "install"))
-    assert out.strip() == f"pgcascade schema upgraded from version 1 to {schema.LATEST_VERSION}"
+    first, *notes = out.strip().splitlines()
+    assert first == f"pgcascade schema upgraded from version 1 to {schema.LATEST_VERSION}"
+    # crossing migration 12 tells where passwords live now (locations no longer hold them)
+    assert len(notes) == 1 and "no longer carry passwords" in notes[0], notes
     versions = [tuple(r) for r in db.connect().execute("select version, name from pgcascade.schema_version")]
     assert versions == [(m.version, m.name) for m in schema.migrations()]
     assert [v for v, _ in versions] == list(range(1, schema.LATEST_VERSION + 1))
