@@ -15,9 +15,11 @@ import psycopg
 import pytest
 from conftest import query_checksum as checksum
 from conftest import table_checksum
+from test_cascade import cascade  # noqa: F401 (a fixture)
 from test_replication import PGBENCH_TABLES, pgbench, pgbench_init
 
 from pgcascade.core.config import load_config
+from pgcascade.pipeline import commands
 from pgcascade.pipeline.compare import Comparison
 from pgcascade.pipeline.repair import KeySpool, apply_fix
 from pgcascade.pipeline.session import build_session
@@ -360,6 +362,50 @@ def test_diff_keys_classifies_each_key():
     prov = {("1",): 10, ("2",): 20, ("3",): 30}
     sub = {("2",): 20, ("3",): 31, ("4",): 40}
     assert sorted(diff_keys(prov, sub)) == [(("1",), "missing"), (("3",), "different"), (("4",), "extra")]
+
+
+def test_repair_on_a_branch_reaches_the_leaf_below(cascade, make_db, spark, capsys):
+    """root -> branch -> leaf with the same drift planted on the branch and the leaf, pgbench
+    writing on the root: `repair --apply` on the branch leaves both equal to the root, and
+    `compare` on the leaf exits 0 (the fix travelled through the queue).  The verbs' own code
+    runs in this process, on the module's Spark session (a JVM each would double the time)."""
+    c = cascade
+    for name, cl in (("root", "a"), ("branch", "b"), ("leaf", "a")):
+        c.node(name, make_db(cl), sync_timeout=60)  # a loaded machine: the sync point may wait long
+    c.pgbench_root("root")
+    c.create("branch", "branch", "root")
+    c.create("leaf", "leaf", "branch")
+    for n in ("branch", "leaf"):
+        c.cli(n, "add-table", "--all", "--create")
+    c.start_all("root", "branch", "leaf")
+    c.sync("root", ["branch"])
+    c.sync("root", ["leaf"])
+    drift = (
+        "delete from pgbench_accounts where aid between 11 and 15",  # missing
+        "update pgbench_accounts set filler = 'drift' where aid between 21 and 25",  # different
+        "insert into pgbench_history (hid, tid, bid, aid, delta) values (1000000001, 1, 1, 1, 7)",  # extra
+        "update pgbench_branches set filler = 'drift'",
+    )
+    for n in ("branch", "leaf"):
+        with c.dbs[n].connect() as conn:
+            conn.execute("set session_replication_role = replica")  # past the protection trigger
+            for s in drift:
+                conn.execute(s)
+    assert table_checksum(c.dbs["leaf"], "pgbench_accounts") != table_checksum(
+        c.dbs["root"], "pgbench_accounts"
+    )
+    load = pgbench(c.dbs["root"], "-c", "2", "-j", "2", "-T", "15", "-R", "50")
+    try:
+        assert commands.repair(load_config(c.ini("branch")), [], None, True, progress=False) == 0
+        assert "DIFFERENT" in capsys.readouterr().out  # the compare saw the drift
+    finally:
+        assert load.wait(timeout=60) == 0, load.stderr.read()
+    c.sync("root", ["branch"])
+    c.sync("root", ["leaf"])
+    for n in ("branch", "leaf"):
+        c.assert_equal("root", n)
+    assert commands.compare(load_config(c.ini("leaf")), [], progress=False) == 0
+    assert "DIFFERENT" not in capsys.readouterr().out
 
 
 # --- part of a table (add-table --where --columns), a partitioned table --------------------------------

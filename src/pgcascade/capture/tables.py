@@ -19,6 +19,7 @@ from pgcascade.capture import logical as walcapture
 from pgcascade.core import catalog, privileges
 from pgcascade.core.catalog import TableRef
 from pgcascade.core.errors import UserError
+from pgcascade.core.pgconn import scalar
 from pgcascade.pgq import queue as q
 
 EVENT_FORMATS = ("json", "sql")
@@ -56,6 +57,18 @@ def event_formats(conn: psycopg.Connection, queue: str) -> dict[str, str]:
 
 def emit_table_list(conn: psycopg.Connection, queue: str) -> None:
     q.emit_event(conn, queue, "T", ",".join(set_tables(conn, queue)), None)
+
+
+def emit_repair(conn: psycopg.Connection, queue: str, table: str, keys: list[str], keyvals: str) -> int:
+    """The root's rows of these keys (JSON objects of key text), or their absence, as repair
+    events in the queue (sql/capture/96_repair.sql); the caller holds the table's SHARE lock."""
+    return int(
+        scalar(
+            conn,
+            "select pgcascade.emit_repair(%s, %s::regclass, %s, %s::json)",
+            (queue, table, keys, keyvals),
+        )
+    )
 
 
 def mirror_set_tables(conn: psycopg.Connection, queue: str, rows: list[SetTableRow]) -> None:

@@ -20,6 +20,8 @@ from psycopg.rows import class_row
 from pgcascade.core.pgconn import scalar
 
 TICK_CHANNEL = "pgcascade_tick"
+# a repair's fix that the root sends down the cascade (sql/capture/96_repair.sql)
+REPAIR_EVENT = "pgcascade.repair"
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,18 +273,18 @@ def carry_events(conn: psycopg.Connection, queue: str, source: str) -> int:
 
 
 def insert_staged(conn: psycopg.Connection, queue: str, source: str, tables: list[str]) -> int:
-    """Insert the row events (I/U/D) of `tables` staged in temp table `source` as new events of
-    this queue: new ids, the same order (a merge-leaf's combined queue)."""
+    """Insert the row events (I/U/D) and repairs of `tables` staged in temp table `source` as new
+    events of this queue: new ids, the same order (a merge-leaf's combined queue)."""
     return conn.execute(
         sql.SQL(
             "insert into pgcascade.event (ev_id, ev_time, ev_part, ev_type, ev_data, ev_extra1)"
             " select nextval(q.queue_event_seq), s.ev_time, q.queue_id * 16 + q.queue_cur_table, s.ev_type,"
             "        s.ev_data, s.ev_extra1"
-            "   from (select * from {} where ev_type in ('I', 'U', 'D')"
+            "   from (select * from {} where ev_type in ('I', 'U', 'D', %s)"
             "          and ev_extra1 = any(%s) order by ev_id) s, pgcascade.queue q"
             "  where q.queue_name = %s"
         ).format(sql.SQL(source)),
-        (tables, queue),
+        (REPAIR_EVENT, tables, queue),
     ).rowcount
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import psycopg
 from psycopg import sql
 
+from pgcascade.capture import logical
 from pgcascade.core import pgconn
 from pgcascade.core.errors import RuntimeFailure, UserError, db_error_line
 from pgcascade.core.pgconn import scalar
@@ -66,9 +67,14 @@ def snapshot_holder(dsn: str) -> tuple[psycopg.Connection, str]:
     return conn, snap
 
 
-def target_tick(prov: psycopg.Connection, queue: str) -> int:
+def target_tick(prov: psycopg.Connection, queue: str, timeout: float = DEFAULT_SYNC_TIMEOUT) -> int:
+    """The provider's position under the lock.  A root with logical capture first waits until
+    its capture daemon has read the WAL up to now: a change committed before the lock and not
+    read yet would be in the provider's rows and not in the queue."""
     pnode = nodes.get_node(prov, queue)
     if pnode is not None and pnode.role.is_root:
+        if logical.is_logical(prov, queue):
+            logical.wait_captured(prov, queue, timeout)
         return q.ticker(prov, queue)
     return q.last_tick_id(prov, queue) or 0
 
@@ -113,7 +119,7 @@ def sync_point(
                         f"could not lock the provider's tables within {LOCK_TIMEOUT}: a long transaction writes to them"
                     ) from None
                 locked = time.monotonic()
-                tick = target_tick(prov, queue)
+                tick = target_tick(prov, queue, timeout)
                 log.debug("provider tables locked; waiting for the subscriber to apply tick %d", tick)
                 wait_applied(sub, queue, tick, timeout)
                 prov_holder, prov_snap = snapshot_holder(prov_dsn)

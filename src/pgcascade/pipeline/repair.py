@@ -9,8 +9,16 @@ point.  Such a file is exact for that moment: apply it with the worker stopped, 
 It takes a new sync point (provider tables locked, subscriber caught up), and for every key that
 differed it replaces the subscriber's row with the provider's row as it is now (or deletes it),
 in one subscriber transaction under the lock, so a row changed since the compare is never put
-back to an old value.  The subscriber's own triggers fire (session_replication_role stays
-origin), so a branch passes the fix on to its subscribers.
+back to an old value.
+
+On a branch the fix goes through the queue instead, so that the nodes below get it too: a
+branch has no capture of its own, and it may not put events of its own into the queue it
+carries (every node that has the queue presents the root's batches, tick for tick).  The root,
+under a SHARE lock of the tables, writes its rows of the differing keys (or their absence) as
+`pgcascade.repair` events (sql/capture/96_repair.sql); every node applies them at their place
+in the stream, the branch and everything below it included, and this command waits until the
+branch has.  Elsewhere in the set they rewrite rows that are already the root's.  A leaf's
+repair, and a two-way master's (its own capture sends the fix on), stay local.
 """
 
 from __future__ import annotations
@@ -25,10 +33,15 @@ from typing import IO
 import psycopg
 from psycopg import sql
 
+from pgcascade.capture import logical
+from pgcascade.capture import tables as set_tables
+from pgcascade.cascade.survey import find_root
+from pgcascade.cascade.waits import wait_applied as wait_node_applied
 from pgcascade.core import pgconn
 from pgcascade.core.errors import RuntimeFailure, db_error_line
 from pgcascade.core.pgconn import scalar
 from pgcascade.pgq import node as nodes
+from pgcascade.pgq import queue as q
 from pgcascade.pipeline import segments as sg
 from pgcascade.pipeline.compare import TableResult
 from pgcascade.pipeline.consistency import LOCK_TIMEOUT, target_tick, wait_applied
@@ -37,6 +50,7 @@ log = logging.getLogger("pgcascade.pipeline")
 
 PROTECT_TRIGGER = "_pgcascade_protect"
 APPLY_CHUNK = 1000
+CASCADE_WAIT = 60.0  # seconds a branch's repair waits for the branch to apply the root's events
 
 
 def _typed(value: str | None, type_: str) -> sql.Composable:
@@ -89,7 +103,9 @@ def trigger_toggle(dest: str, on: bool) -> sql.Composed:
 class SqlWriter:
     """Streams fix statements into a file: header, one statement per differing row, footer."""
 
-    def __init__(self, out: IO[str], conn: psycopg.Connection, specs: tuple[sg.TableSpec, ...]):
+    def __init__(
+        self, out: IO[str], conn: psycopg.Connection, specs: tuple[sg.TableSpec, ...], branch: bool = False
+    ):
         self.out = out
         self.conn = conn  # for quoting literals the way this server reads them
         self.guarded = [s.dest for s in specs if protected(conn, s.dest)]
@@ -97,6 +113,8 @@ class SqlWriter:
         out.write(
             "-- pgcascade repair: makes the subscriber's rows equal to the provider's at the compare's sync point\n"
         )
+        if branch:
+            out.write("-- on a branch it fixes this node only: repair --apply fixes the nodes below it too\n")
         out.write(f"{sg.SESSION_SETTINGS};\nbegin;\n")
         for dest in self.guarded:
             out.write(trigger_toggle(dest, False).as_string(conn) + "\n")
@@ -153,12 +171,15 @@ def _keys_sql(spec: sg.TableSpec, keys: list[list[str]]) -> sql.Composed:
 def apply_fix(
     sub_dsn: str, queue: str, specs: tuple[sg.TableSpec, ...], spool: KeySpool, timeout: float
 ) -> int:
-    """Under a new sync point, replace every differing key's subscriber row by the provider's
-    current row (or delete it), in one subscriber transaction.  Returns the rows written."""
+    """Replace every differing key's subscriber row by its current row upstream (or delete it):
+    on a branch through the queue, for the nodes below too (`send_fix`), elsewhere here, under a
+    new sync point, in one subscriber transaction.  Returns the keys fixed."""
     if spool.count == 0:
         return 0
     with pgconn.connect(sub_dsn, autocommit=True, connect_timeout=10) as sub:
         node = nodes.require_node(sub, queue)
+        if node.role.copies_events:
+            return send_fix(sub, node, specs, spool, timeout)
         prov_dsn = nodes.provider_location(sub, node)
         with (
             pgconn.connect(prov_dsn, autocommit=True, connect_timeout=10) as prov,
@@ -172,7 +193,7 @@ def apply_fix(
                         sql.SQL(", ").join(sql.SQL(s.table) for s in specs)
                     )
                 )
-                wait_applied(sub, queue, target_tick(prov, queue), timeout)
+                wait_applied(sub, queue, target_tick(prov, queue, timeout), timeout)
                 written = 0
                 with sub.transaction():
                     sub.execute(sg.SESSION_SETTINGS.replace("set ", "set local "))
@@ -188,6 +209,58 @@ def apply_fix(
             except psycopg.Error as e:
                 raise RuntimeFailure(f"repair failed, nothing applied: {db_error_line(e)}") from None
     return written
+
+
+def send_fix(
+    sub: psycopg.Connection,
+    node: nodes.Node,
+    specs: tuple[sg.TableSpec, ...],
+    spool: KeySpool,
+    timeout: float,
+) -> int:
+    """A branch's fix: sent down the cascade by the root (`emit_fix`), then waited for until
+    this branch has applied it.  Returns the keys fixed."""
+    queue = node.queue_name
+    root_name, root_dsn = find_root(sub, queue)
+    tick = emit_fix(root_dsn, queue, specs, spool, timeout)
+    log.info("repair of %d key(s) sent through the root %s's queue, tick %d", spool.count, root_name, tick)
+    wait_node_applied(
+        sub,
+        queue,
+        tick,
+        f"{node.node_name} to apply the fix sent through the queue (it stays queued: is the worker running?)",
+        log.info,
+        max(timeout, CASCADE_WAIT),
+    )
+    return spool.count
+
+
+def emit_fix(
+    root_dsn: str, queue: str, specs: tuple[sg.TableSpec, ...], spool: KeySpool, timeout: float
+) -> int:
+    """The root's current rows of the spooled keys (or their absence) into its queue as repair
+    events, under a SHARE lock of those tables (no write comes between the rows read and the
+    events); returns a tick whose batches hold them."""
+    with pgconn.connect(root_dsn, autocommit=True, connect_timeout=10) as root:
+        try:
+            with root.transaction():
+                root.execute(sql.SQL("set local lock_timeout = {}").format(sql.Literal(LOCK_TIMEOUT)))
+                root.execute(
+                    sql.SQL("lock table {} in share mode").format(
+                        sql.SQL(", ").join(sql.SQL(s.table) for s in specs)
+                    )
+                )
+                for tidx, keys in spool.chunks():
+                    spec = specs[tidx]
+                    keyvals = json.dumps([dict(zip(spec.keys, k, strict=True)) for k in keys])
+                    set_tables.emit_repair(root, queue, spec.table, list(spec.keys), keyvals)
+            if logical.is_logical(root, queue):
+                logical.wait_captured(root, queue, timeout)
+            return q.ticker(root, queue)
+        except psycopg.errors.LockNotAvailable:
+            raise RuntimeFailure(f"could not lock the tables on the root within {LOCK_TIMEOUT}") from None
+        except psycopg.Error as e:
+            raise RuntimeFailure(f"repair failed, nothing sent: {db_error_line(e)}") from None
 
 
 def _replace_rows(

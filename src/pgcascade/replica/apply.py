@@ -135,8 +135,14 @@ def stage_batch(
 
 
 def staged_barriers(sub: psycopg.Connection) -> int:
-    """TRUNCATE and EXECUTE events staged: they order the row events around them."""
-    return int(scalar(sub, "select count(*) from pg_temp.pgcascade_stage where ev_type in ('R', 'EXECUTE')"))
+    """TRUNCATE, EXECUTE and repair events staged: they order the row events around them."""
+    return int(
+        scalar(
+            sub,
+            "select count(*) from pg_temp.pgcascade_stage where ev_type in ('R', 'EXECUTE', %s)",
+            (q.REPAIR_EVENT,),
+        )
+    )
 
 
 def clear_stage(sub: psycopg.Connection) -> None:
@@ -225,6 +231,18 @@ class TableApplier:
                 ),
             )
         )
+
+    def apply_repair(self, sub: psycopg.Connection, ev_id: int) -> None:
+        """A repair the root sent down the cascade (sql/replica/94_repair.sql), at its place."""
+        try:
+            sub.execute(
+                "select pgcascade.apply_repair(%s, %s::regclass, %s, %s)",
+                (ev_id, self.dest, self.keys, self.cols),
+            )
+        except psycopg.OperationalError:
+            raise
+        except psycopg.Error as e:
+            raise ApplyError(f"repair of {self.table} (event {ev_id}): {db_error_line(e)}") from e
 
     def params(self, lo: int, hi: int, skip: str | None) -> dict:
         return {"t": self.table, "lo": lo, "hi": hi, "skip": skip}
@@ -331,9 +349,10 @@ def apply_staged(
             (skip,),
         )
     with sub.pipeline():  # one round trip: the barriers, and the tables if there are none
-        barrier_rows = sub.execute(
-            "select ev_id, ev_type, ev_data, ev_extra1, ev_extra2 from pg_temp.pgcascade_stage"
-            " where ev_type not in ('I', 'U', 'D') order by ev_id"
+        barrier_rows = sub.execute(  # a repair's rows stay in the database: its function reads them
+            "select ev_id, ev_type, case when ev_type <> %s then ev_data end, ev_extra1, ev_extra2"
+            " from pg_temp.pgcascade_stage where ev_type not in ('I', 'U', 'D') order by ev_id",
+            (q.REPAIR_EVENT,),
         )
         whole = sub.execute(SEGMENT_TABLES, (0, MAX_EV_ID))
     barriers = barrier_rows.fetchall()
@@ -374,6 +393,12 @@ def apply_staged(
                     q.insert_event(sub, peer.own_queue, "EXECUTE", ev_data, ev_extra1, None, None, peer.peer)
                 for a in appliers.values():
                     a.after_ddl(sub)
+        elif ev_type == q.REPAIR_EVENT:
+            a = appliers.get(ev_extra1)
+            if a is None or peer is not None:  # a peer's repairs are for the nodes under that peer
+                stats.ignored += 1
+            elif skip is None or not visible_in(sub, ev_id, skip):
+                a.apply_repair(sub, ev_id)
         elif ev_type == "T":
             stats.table_list = [t for t in (ev_data or "").split(",") if t]
         elif ev_type.startswith("pgcascade.") and queue is not None:
