@@ -164,3 +164,36 @@ def test_column_lists_and_embedded_filters():
     plain = filters.embedded("(r ~~ 'e%'::text)").as_string(None)
     assert plain == "((r ~~ 'e%'::text))"
     assert filters.embedded("(r ~~ 'e%'::text)", with_params=True).as_string(None) == "((r ~~ 'e%%'::text))"
+
+
+def test_every_connection_notices_a_dead_link_with_the_configs_tcp_settings(tmp_path):
+    from psycopg.conninfo import conninfo_to_dict
+
+    from pgcascade.core import pgconn
+    from pgcascade.core.config import load_config
+    from pgcascade.core.daemon import use_connection_settings
+
+    ini = tmp_path / "n.ini"
+    ini.write_text(
+        "[pgcascade]\njob_name = n\ntcp_keepalives_idle = 2\ntcp_keepalives_count = 0\ntcp_user_timeout = 4.5\n"
+    )
+    try:
+        use_connection_settings(load_config(ini))
+        params = conninfo_to_dict(
+            pgconn.with_session_options("host=h dbname=d keepalives_interval=9 options='-c work_mem=1MB'")
+        )
+        assert (
+            params["keepalives"] == "1"
+            and params["keepalives_idle"] == "2"
+            and params["tcp_user_timeout"] == "4500"
+        )
+        assert params["keepalives_interval"] == "9"  # the string's own value wins
+        assert "keepalives_count" not in params  # 0: the system's default
+        # the server's end too, before the string's own options (a later -c wins); ours last
+        assert params["options"] == (
+            "-c tcp_keepalives_idle=2 -c tcp_keepalives_interval=5 -c tcp_user_timeout=4500"
+            " -c work_mem=1MB -c datestyle=ISO,YMD -c intervalstyle=postgres"
+        )
+    finally:
+        pgconn.configure(pgconn.TcpSettings())
+    assert conninfo_to_dict(pgconn.with_session_options("dbname=d"))["tcp_user_timeout"] == "60000"

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 
 import psycopg
 from psycopg import pq
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from pgcascade.core import pgconn
 from pgcascade.core.errors import RuntimeFailure
 
 PG_EPOCH = datetime.datetime(2000, 1, 1, tzinfo=datetime.UTC)
@@ -111,7 +113,7 @@ class SlotStream:
 
     def __init__(self, connstr: str, slot: str, pub: str, start: int):
         self.conn = psycopg.connect(
-            connstr,
+            make_conninfo("", **pgconn.with_network_params(conninfo_to_dict(connstr))),  # a dead link fails
             autocommit=True,
             connect_timeout=10,
             replication="database",

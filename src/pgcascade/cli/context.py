@@ -17,7 +17,7 @@ import psycopg
 
 from pgcascade.core import pgconn
 from pgcascade.core.config import JobConfig, load_config, parse_duration
-from pgcascade.core.daemon import Daemon, setup_logging, signal_daemon
+from pgcascade.core.daemon import Daemon, setup_logging, signal_daemon, use_connection_settings
 from pgcascade.core.errors import ConfigError, UserError, db_error_line
 from pgcascade.pgq import node as nodes
 
@@ -36,6 +36,7 @@ class Context:
             if not self.config_path:
                 raise UserError("this verb needs a config file: pgcascade CONFIG.ini VERB")
             self._cfg = load_config(self.config_path)
+            use_connection_settings(self._cfg)
         return self._cfg
 
     @cfg.setter

@@ -56,6 +56,26 @@ def setting(default: Any, help: str, *, minimum: float | None = None) -> Any:
 
 
 @dataclass(frozen=True)
+class ConnectionSettings:
+    """Every connection to PostgreSQL: how soon a dead network link is noticed (core/pgconn.py)."""
+
+    tcp_keepalives_idle: int = setting(
+        15, "seconds idle before TCP keepalive probes start (0: system default)", minimum=0
+    )
+    tcp_keepalives_interval: int = setting(
+        5, "seconds between TCP keepalive probes (0: system default)", minimum=0
+    )
+    tcp_keepalives_count: int = setting(
+        3, "unanswered probes that make a link dead (0: system default)", minimum=0
+    )
+    tcp_user_timeout: float = setting(
+        60.0,
+        "seconds sent data or probes may stay unacknowledged before the connection fails (0: system default)",
+        minimum=0,
+    )
+
+
+@dataclass(frozen=True)
 class TickerSettings:
     """The ticker daemon (pgqd's job): which databases, and how often (seconds)."""
 
@@ -176,6 +196,7 @@ class JobConfig:
         None, "serve Prometheus /metrics of the daemon on this port", minimum=1
     )
     metrics_address: str = setting("127.0.0.1", "the address /metrics listens on (0.0.0.0: every interface)")
+    connection: ConnectionSettings = field(default_factory=ConnectionSettings)
     ticker: TickerSettings = field(default_factory=TickerSettings)
     worker: WorkerSettings = field(default_factory=WorkerSettings)
     capture: CaptureSettings = field(default_factory=CaptureSettings)
@@ -189,6 +210,7 @@ class JobConfig:
 
 
 GROUPS: dict[str, type] = {
+    "connection": ConnectionSettings,
     "ticker": TickerSettings,
     "worker": WorkerSettings,
     "capture": CaptureSettings,

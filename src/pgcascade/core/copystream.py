@@ -97,7 +97,7 @@ def stream_copy(
 def psql_command(psql: str, prov_dsn: str, snapshot: str, copy_out: str) -> tuple[list[str], dict[str, str]]:
     """psql's command line and environment for copy_out inside the snapshot; the password goes
     into the environment, where ps does not show it."""
-    params = conninfo_to_dict(prov_dsn)
+    params = pgconn.with_network_params(conninfo_to_dict(prov_dsn))  # a dead link fails the copy
     env = dict(os.environ, PGAPPNAME="pgcascade copy", PGCONNECT_TIMEOUT="10")
     password = params.pop("password", None)
     if password is not None:

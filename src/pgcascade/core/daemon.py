@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psycopg
 
-from pgcascade.core import metrics, privileges
+from pgcascade.core import metrics, pgconn, privileges
 from pgcascade.core.config import JobConfig, load_config
 from pgcascade.core.daemonlock import AlreadyRunning, DaemonLock, DaemonRole, pid_alive
 from pgcascade.core.errors import ConfigError, RuntimeFailure, UserError, redact
@@ -56,6 +56,16 @@ def setup_logging(
         root.addHandler(fh)
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
     logging.getLogger("psycopg").setLevel(logging.WARNING)
+
+
+def use_connection_settings(cfg: JobConfig) -> None:
+    """The config's TCP settings for every connection this process opens (core/pgconn.py)."""
+    c = cfg.connection
+    pgconn.configure(
+        pgconn.TcpSettings(
+            c.tcp_keepalives_idle, c.tcp_keepalives_interval, c.tcp_keepalives_count, c.tcp_user_timeout
+        )
+    )
 
 
 def read_pid(pidfile: Path) -> int | None:
@@ -199,6 +209,7 @@ class Daemon:
                 log.info("reloading config %s", self.cfg.path)
                 try:
                     self.cfg = load_config(self.cfg.path)
+                    use_connection_settings(self.cfg)
                 except ConfigError as e:
                     log.error("%s; keeping the config loaded before", e)
                 self.reload()

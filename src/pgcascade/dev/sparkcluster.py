@@ -50,6 +50,12 @@ class NetHost:
     subnet: int
     made: bool = False
 
+    @classmethod
+    def free(cls, name: str) -> NetHost:
+        """A host on a subnet no link of this machine uses yet (tests of other sessions may run)."""
+        used = {int(p.name[4:]) for p in Path("/sys/class/net").glob("pgch*") if p.name[4:].isdigit()}
+        return cls(name, random.choice([x for x in range(1, 250) if x not in used]))
+
     @property
     def address(self) -> str:
         return f"10.231.{self.subnet}.2"
@@ -150,11 +156,8 @@ class SparkCluster:
 
     def start(self, hosts: int = 1) -> SparkCluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        used = {int(p.name[4:]) for p in Path("/sys/class/net").glob("pgch*") if p.name[4:].isdigit()}
         for i in range(hosts):
-            n = random.choice([x for x in range(1, 250) if x not in used])
-            used.add(n)
-            self.hosts.append(NetHost(f"pgc-{os.getpid()}-{i}", n).create())
+            self.hosts.append(NetHost.free(f"pgc-{os.getpid()}-{i}").create())
         self.python = make_worker_venv(self.workdir / "worker-venv")
         spark_class = str(spark_home() / "bin" / "spark-class")
         log = (self.workdir / "master.log").open("w")
