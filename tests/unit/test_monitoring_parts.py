@@ -52,6 +52,8 @@ def test_check_is_critical_on_errors_and_an_unreachable_provider():
     assert check(root, 5.0).code == 0
     root["capture"] = {"mode": "logical", "last_error": "slot missing"}
     assert check(root, 5.0).line == "CRITICAL r (root): capture error: slot missing"
+    root["capture"]["slot_problem"] = "slot s was invalidated: run recover-slot"
+    assert check(root, 5.0).line == "CRITICAL r (root): capture: slot s was invalidated: run recover-slot"
 
 
 def daemon(role, running, needed, **extra):

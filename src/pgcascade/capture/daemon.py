@@ -73,6 +73,11 @@ MAX_ROUND_SECONDS = 0.5  # a round under steady load commits at least this often
 IDLE_REPORT = 0.2  # when idle, ask the server where it has read to this often
 KEEPALIVE_SECONDS = 10.0  # status updates at least this often, also while busy
 CHUNK_BYTES = 8 << 20
+SLOT_POLL = 2.0  # seconds between looks at a lost slot
+
+
+class SlotLost(RuntimeFailure):
+    """The slot cannot be read any more (invalidated or dropped): recover-slot makes a new one."""
 
 
 class WalCapture(Daemon):
@@ -100,6 +105,7 @@ class WalCapture(Daemon):
         self.skip = False  # the current source transaction was captured before
         self.asked_at = 0.0
         self.fed_at = 0.0
+        self.lost_reported: str | None = None  # the lost slot's message, logged once
         self._reset_round()
 
     def reload(self) -> None:
@@ -137,14 +143,17 @@ class WalCapture(Daemon):
                 "select slot_name, publication, confirmed_lsn::text from pgcascade.walcapture where queue_name = %s",
                 (self.queue,),
             )
-            if not writer.execute(
-                "select 1 from pg_replication_slots where slot_name = %s", (slot,)
-            ).fetchone():
-                raise RuntimeFailure(
-                    f"replication slot {slot} does not exist: run create-root with --capture=logical again"
-                    " (changes made while it was missing are not in the queue)"
+            state = writer.execute(
+                "select wal_status from pg_replication_slots where slot_name = %s", (slot,)
+            ).fetchone()
+            if state is None or state[0] == "lost":
+                problem = (
+                    logical.slot_problem(writer, self.queue) or f"replication slot {slot} cannot be read"
                 )
+                writer.rollback()
+                raise SlotLost(problem)
             writer.rollback()
+            self.lost_reported = None
             self.stored = self.committed = lsn_int(stored)
             self.safe = 0
             self.rels.clear()
@@ -208,9 +217,24 @@ class WalCapture(Daemon):
         if time.monotonic() - self.fed_at > KEEPALIVE_SECONDS and self.stream is not None:
             self.feedback()
 
+    def wait_for_new_slot(self, e: SlotLost) -> None:
+        """The slot is lost or missing: say so once (log, `status`), then look again now and
+        then, until recover-slot has made a new one - not the error back-off, which would make
+        the capture resume up to 30 s after the recovery."""
+        if str(e) != self.lost_reported:
+            log.error("%s; waiting for a new slot", e)
+            self.report_error(e)
+            self.lost_reported = str(e)
+        self.drop_connections()
+        self.backoff_sleep(SLOT_POLL)
+
     # --- one round: read what the stream has, commit it ---
     def work(self) -> bool:
-        stream, _ = self.connect()
+        try:
+            stream, _ = self.connect()
+        except SlotLost as e:
+            self.wait_for_new_slot(e)
+            return False
         self._reset_round()
         started = time.monotonic()
         more = False

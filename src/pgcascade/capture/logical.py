@@ -20,7 +20,7 @@ import psycopg
 from psycopg import sql
 
 from pgcascade.core.errors import RuntimeFailure, UserError, db_error_line
-from pgcascade.core.pgconn import scalar
+from pgcascade.core.pgconn import one, scalar
 from pgcascade.pgq import node as nodes
 
 log = logging.getLogger("pgcascade.capture")
@@ -184,6 +184,7 @@ def setup_logical(conn: psycopg.Connection, queue: str) -> bool:
         slot = scalar(conn, "select slot_name from pgcascade.walcapture where queue_name = %s", (queue,))
         if slot_exists(conn, slot):
             return False
+        mark_lost(conn, queue)  # a slot lost: what it missed stays to be repaired (recover-slot)
         create_slot(conn, slot)
         return True
     setup = prepare_slot(conn, queue)
@@ -250,3 +251,96 @@ def refuse_without_logical_root(conn: psycopg.Connection, queue: str) -> None:
         raise UserError(
             f"node {node.node_name} ({node.node_type}) has no logical capture: it is set at create-root --capture=logical"
         )
+
+
+RECOVER_HINT = "run recover-slot (docs/operations.md, 'A lost capture slot')"
+
+
+def slot_problem(conn: psycopg.Connection, queue: str) -> str | None:
+    """What is wrong with the root's slot, for `status` and `status --check`: missing, lost
+    (invalidated: it held more WAL than max_slot_wal_keep_size), about to be lost, or replaced
+    with the repair of what was lost not finished; None when nothing is (or no slot is used)."""
+    if not is_logical(conn, queue):
+        return None
+    slot, exists, wal_status, confirmed = one(
+        conn,
+        "select w.slot_name, s.slot_name is not null, s.wal_status, w.confirmed_lsn::text"
+        " from pgcascade.walcapture w left join pg_replication_slots s on s.slot_name = w.slot_name"
+        " where w.queue_name = %s",
+        (queue,),
+    )
+    if not exists:
+        return f"slot {slot} is missing: changes after {confirmed} are not in the queue; {RECOVER_HINT}"
+    if wal_status == "lost":
+        return (
+            f"slot {slot} was invalidated (it held more WAL than max_slot_wal_keep_size): changes after"
+            f" {confirmed} are not in the queue; {RECOVER_HINT}"
+        )
+    if wal_status == "unreserved":
+        return (
+            f"slot {slot} holds more WAL than max_slot_wal_keep_size and will be invalidated at the next"
+            " checkpoint: is the capture daemon running?"
+        )
+    recovery = recovery_from(conn, queue)
+    if recovery is not None:
+        return f"slot {slot} is new; the changes lost after {recovery} are not repaired yet: {RECOVER_HINT}"
+    return None
+
+
+def recovery_from(conn: psycopg.Connection, queue: str) -> str | None:
+    """Where the changes lost with the last slot begin, while their repair is not done."""
+    try:
+        return scalar(
+            conn, "select recovery_from::text from pgcascade.walcapture where queue_name = %s", (queue,)
+        )
+    except psycopg.errors.UndefinedColumn:  # a root not upgraded yet (migration 14)
+        return None
+
+
+def renew_slot(conn: psycopg.Connection, queue: str) -> bool:
+    """Replace a lost or missing slot by a new one that captures from now on; True if it did.
+    Where the loss began is recorded first (recovery_from, kept until `recovery_done`), so a
+    run that dies anywhere is resumed by running it again.  Needs REPLICATION, as create-root."""
+    slot, exists, wal_status = one(
+        conn,
+        "select w.slot_name, s.slot_name is not null, s.wal_status from pgcascade.walcapture w"
+        " left join pg_replication_slots s on s.slot_name = w.slot_name where w.queue_name = %s",
+        (queue,),
+    )
+    if exists and wal_status != "lost":
+        return False
+    mark_lost(conn, queue)
+    if exists:
+        try:
+            conn.execute("select pg_drop_replication_slot(%s)", (slot,))
+        except psycopg.Error as e:
+            raise RuntimeFailure(
+                f"cannot drop the lost replication slot {slot}: {db_error_line(e)}"
+            ) from None
+    create_slot(conn, slot)
+    lsn = scalar(
+        conn, "select confirmed_flush_lsn::text from pg_replication_slots where slot_name = %s", (slot,)
+    )
+    conn.execute(
+        "update pgcascade.walcapture set confirmed_lsn = %s::pg_lsn, last_error = null, last_error_time = null"
+        " where queue_name = %s",
+        (lsn, queue),
+    )
+    log.warning(
+        "slot %s made anew at %s: changes after %s were not captured", slot, lsn, recovery_from(conn, queue)
+    )
+    return True
+
+
+def mark_lost(conn: psycopg.Connection, queue: str) -> None:
+    """Remember where the changes the queue never got begin, until recover-slot repaired them."""
+    with contextlib.suppress(psycopg.errors.UndefinedColumn):  # a root not upgraded yet (migration 14)
+        conn.execute(
+            "update pgcascade.walcapture set recovery_from = coalesce(recovery_from, confirmed_lsn)"
+            " where queue_name = %s",
+            (queue,),
+        )
+
+
+def recovery_done(conn: psycopg.Connection, queue: str) -> None:
+    conn.execute("update pgcascade.walcapture set recovery_from = null where queue_name = %s", (queue,))

@@ -56,7 +56,7 @@ VERBS = {
     **dict.fromkeys(["pause", "resume", "wait-root", "wait-provider"], "cascade"),
     **dict.fromkeys(["ticker", "worker", "capture", "copy"], "daemons"),
     **dict.fromkeys(["queue", "status", "config", "serve"], "queues"),
-    **dict.fromkeys(["compare", "repair", "spark-server", "sink"], "pipeline"),
+    **dict.fromkeys(["compare", "repair", "spark-server", "sink", "recover-slot"], "pipeline"),
     **dict.fromkeys(["provider", "subscriber", "replay"], "londiste2"),
     **dict.fromkeys(["import-londiste", "drop-londiste", "back-to-londiste"], "londiste3"),
     **dict.fromkeys(["add-peer", "conflicts"], "twoway"),

@@ -1,4 +1,4 @@
-"""The Spark pipeline's verbs: compare, repair, spark-server, sink.  The work is in
+"""The Spark pipeline's verbs: compare, repair, recover-slot, spark-server, sink.  The work is in
 pgcascade.pipeline; Spark itself is imported only when a verb needs it."""
 
 from __future__ import annotations
@@ -44,6 +44,15 @@ def repair(
     sys.exit(commands.repair(ctx.cfg, list(tables), output, apply_fix, not no_progress))
 
 
+@click.command("recover-slot")
+@click.option("--no-progress", is_flag=True, help="No progress lines on stderr.")
+@pass_ctx
+def recover_slot(ctx: Context, no_progress: bool) -> None:
+    """A root whose capture slot was lost: a new slot, and what was lost repaired on every node."""
+    ctx.db()
+    sys.exit(commands.recover_slot(ctx.cfg, not no_progress))
+
+
 @click.command("spark-server")
 @click.argument("action", type=click.Choice(["start", "stop"]))
 @pass_ctx
@@ -72,4 +81,4 @@ def sink(ctx: Context, action: str | None, path: str | None, detach: bool, ctl: 
     control_or_start(ctx, Sink, detach, ctl)
 
 
-COMMANDS = [compare, repair, spark_server, sink]
+COMMANDS = [compare, repair, spark_server, sink, recover_slot]

@@ -271,6 +271,7 @@ def capture_report(conn: psycopg.Connection, queue: str) -> dict[str, Any]:
         "since_daemon_wrote_seconds": seconds(since_capture),
         "last_error": error,
         "last_error_time": timestamp(error_time),
+        "slot_problem": logical.slot_problem(conn, queue),
     }
 
 
@@ -363,7 +364,9 @@ def check(report: dict[str, Any], max_lag: float | None) -> Verdict:
         elif max_lag is not None and (lag is None or lag > max_lag):
             problems.append(f"lag {'unknown' if lag is None else f'{lag:.1f} s'}{beyond} over {max_lag:g} s")
     capture = report.get("capture", {})
-    if capture.get("last_error"):
+    if capture.get("slot_problem"):
+        problems.append(f"capture: {capture['slot_problem']}")
+    elif capture.get("last_error"):
         problems.append(f"capture error: {capture['last_error']}")
     who = f"{report['node']} ({report['type']})"
     if problems:

@@ -82,7 +82,7 @@ def print_capture_status(console: Console, conn: psycopg.Connection, queue: str)
         return
     slot, exists, active, retained, behind, wal_status, since_commit, since_capture, error, error_time = r
     if not exists:
-        console.print(f"capture: logical, slot {slot} [red]missing[/red] (create-root --capture=logical)")
+        console.print(f"capture: logical, slot {slot} [red]missing[/red]")
     else:
         warn = "" if wal_status in ("reserved", None) else f"  [red]wal_status {wal_status}[/red]"
         console.print(
@@ -93,7 +93,10 @@ def print_capture_status(console: Console, conn: psycopg.Connection, queue: str)
             f"capture lag: last captured commit {fmt_interval(since_commit)} ago,"
             f" daemon last wrote {fmt_interval(since_capture)} ago"
         )
-    if error:
+    problem = walcapture.slot_problem(conn, queue)
+    if problem:
+        console.print(f"[red]capture slot[/red]: {problem}")
+    elif error:
         console.print(f"[red]capture error[/red] ({error_time:%Y-%m-%d %H:%M:%S}): {error}")
 
 

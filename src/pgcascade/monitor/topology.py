@@ -99,12 +99,12 @@ def errors(members: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if r.get("provider_reachable") is False:
             out.append({"node": m["name"], "kind": "provider", "message": r["provider_error"], "time": None})
         capture = r.get("capture") or {}
-        if capture.get("last_error"):
+        if capture.get("slot_problem") or capture.get("last_error"):
             out.append(
                 {
                     "node": m["name"],
                     "kind": "capture",
-                    "message": capture["last_error"],
+                    "message": capture.get("slot_problem") or capture["last_error"],
                     "time": capture["last_error_time"],
                 }
             )

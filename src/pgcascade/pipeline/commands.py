@@ -11,10 +11,13 @@ import json
 import logging
 import sys
 
+import psycopg
+
 from pgcascade.core import pgconn
 from pgcascade.core.config import JobConfig
 from pgcascade.core.errors import UserError
-from pgcascade.pipeline import sink
+from pgcascade.pgq import node as nodes
+from pgcascade.pipeline import recovery, sink
 from pgcascade.pipeline.compare import Comparison, Progress, TableResult
 from pgcascade.pipeline.repair import KeySpool, SqlWriter, apply_fix, open_output, report_rows, write_report
 
@@ -59,7 +62,7 @@ def repair(cfg: JobConfig, tables: list[str], output: str | None, apply: bool, p
             if out is not sys.stdout:
                 stack.enter_context(out)
             conn = stack.enter_context(pgconn.connect(cmp.sync.sub_dsn, autocommit=True))
-            writer = SqlWriter(out, conn, cmp.task.specs)
+            writer = SqlWriter(out, conn, cmp.task.specs, branch=is_branch(conn, cmp.queue))
 
         def on_row(result: TableResult, row: dict) -> None:
             if writer is not None:
@@ -76,10 +79,26 @@ def repair(cfg: JobConfig, tables: list[str], output: str | None, apply: bool, p
     if spool is not None and spool.count:
         # the spool's count: the keys the fix replaces, whatever the report's figures say
         prog.step(f"applying the fix of {spool.count} differing row(s) under a new sync point")
+        with pgconn.connect(cmp.db, autocommit=True) as conn:
+            branch = is_branch(conn, cmp.queue)
+        if branch:
+            prog.step("sending the fix through the root's queue (a branch: the nodes below need it too)")
         n = apply_fix(cmp.db, cmp.queue, specs, spool, cmp.settings.sync_timeout)
-        prog.step(f"applied: {n} row(s) replaced by the provider's")
+        if branch:
+            prog.step(f"applied: {n} key(s) fixed here with the root's rows, and on their way below")
+        else:
+            prog.step(f"applied: {n} row(s) replaced by the provider's")
         return EXIT_EQUAL
     return EXIT_EQUAL if differing == 0 else EXIT_DIFFERENT
+
+
+def recover_slot(cfg: JobConfig, progress: bool = True) -> int:
+    """`recover-slot` on a root with logical capture (pipeline/recovery.py)."""
+    return recovery.recover_slot(cfg, lambda prog: _spark(cfg, prog, "pgcascade recover-slot"), progress)
+
+
+def is_branch(conn: psycopg.Connection, queue: str) -> bool:
+    return nodes.require_node(conn, queue).role.copies_events
 
 
 def _spark(cfg: JobConfig, prog: Progress, app_name: str):
