@@ -132,7 +132,7 @@ def test_partition_longer_than_the_tcp_timeouts_is_noticed_and_healed(netns_root
             lambda: "OperationalError" in r.log()[logged:], 20, what="the worker to notice the dead link"
         )
         noticed = time.monotonic() - down
-        assert node_error(r.leaf), "the error is not in the node's status"
+        wait_until(lambda: node_error(r.leaf), 10, what="the error in the node's status")
         assert_whole(r.leaf)
         time.sleep(max(0.0, 10 - (time.monotonic() - down)))  # longer than every TCP timeout
         subprocess.run(["ip", "link", "set", link, "up"], check=True)

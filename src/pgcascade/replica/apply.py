@@ -136,12 +136,9 @@ def stage_batch(
 
 def staged_barriers(sub: psycopg.Connection) -> int:
     """TRUNCATE, EXECUTE and repair events staged: they order the row events around them."""
+    barriers = ["R", "EXECUTE", q.REPAIR_EVENT]
     return int(
-        scalar(
-            sub,
-            "select count(*) from pg_temp.pgcascade_stage where ev_type in ('R', 'EXECUTE', %s)",
-            (q.REPAIR_EVENT,),
-        )
+        scalar(sub, "select count(*) from pg_temp.pgcascade_stage where ev_type = any(%s)", (barriers,))
     )
 
 
