@@ -89,22 +89,21 @@ declare
     -- they run in the application's transactions, whose role may own nothing and have no
     -- rights on schema pgcascade: as their owner, with a search_path no caller can change
     fn_definer text := ' security definer set search_path = pg_catalog, pg_temp';
-    -- a partitioned table: its partitions' triggers call the same functions (91_capture_partitions.sql)
+    -- a partitioned table: its partitions' triggers call the same functions, and a row-level
+    -- one captures partitions attached since, until they have theirs (91_capture_partitions.sql)
     partitioned bool := (select relkind = 'p' from pg_class where oid = i_table);
     name_expr text := 'format(''%%I.%%I'', TG_TABLE_SCHEMA, TG_TABLE_NAME)';
     part_check text := '';
+    table_lit text := quote_literal(pgcascade.canonical_name(i_table));
 begin
     q := pgcascade.find_queue(i_queue);
     if partitioned then
-        -- events of a partition carry the table's name; one detached since is not ours any
-        -- more; the mark of a statement on the table or an inner partition ends with it
-        name_expr := replace(quote_literal(pgcascade.canonical_name(i_table)), '%', '%%');
+        -- events of a partition carry the table's name; one detached since is not ours any more
+        name_expr := replace(table_lit, '%', '%%');
         part_check := format($p$
-    perform set_config(%L || (pg_trigger_depth() - 1), '', true);
     if TG_RELID <> %s and pg_partition_root(TG_RELID) is distinct from %s::oid::regclass then
         return null;
-    end if;$p$, pgcascade.partition_mark_name(i_table), i_table::oid, i_table::oid);
-        perform pgcascade.partition_functions(i_table);
+    end if;$p$, i_table::oid, i_table::oid);
     end if;
     if i_format not in ('json', 'sql') then
         raise exception 'unknown event format "%" (json or sql)', i_format using errcode = '22023';
@@ -152,6 +151,13 @@ begin
     return null;
 end $f$, split_part(op, ':', 2), msg));
         end loop;
+        if partitioned then
+            execute format('create or replace function pgcascade.%I() returns trigger language plpgsql%s as %L',
+                fn || '_row', fn_definer, format($f$
+begin
+    raise exception %L, quote_ident(TG_TABLE_SCHEMA), quote_ident(TG_TABLE_NAME) using errcode = '55000';
+end $f$, msg));
+        end if;
     else
         body := $f$
 declare
@@ -171,6 +177,35 @@ end $f$;
                 format('case when o.%I is null then %s when n.%I is null then %s else %s end',
                        i_keys[1], img_new, i_keys[1], img_old, img_upd),
                 format('(pgcascade_new n full join pgcascade_old o on %s)', join_cond))));
+        if partitioned then
+            -- a row at a time, for a partition without statement triggers yet; an UPDATE that
+            -- changes a key there is refused: row by row, one that shifts keys between rows
+            -- would be captured in an order whose net effect loses rows
+            execute format('create or replace function pgcascade.%I() returns trigger language plpgsql%s as %L',
+                fn || '_row', fn_definer || fn_settings, format($f$
+declare
+    v_table text := %s;
+    v_rare pgcascade.event_rare := pgcascade.origin_rare();
+begin
+    if TG_OP = 'INSERT' then
+        %s;
+    elsif TG_OP = 'DELETE' then
+        %s;
+    elsif row(%s) is distinct from row(%s) then
+        raise exception 'an UPDATE of the key of %%.%%, a partition of %% attached since the ticker''s last maintenance, is refused until the partition has its capture triggers (within maint_period, or run add-table %% on the root)',
+            quote_ident(TG_TABLE_SCHEMA), quote_ident(TG_TABLE_NAME), %s, %s using errcode = '55000';
+    else
+        %s;
+    end if;
+    return null;
+end $f$, table_lit,
+                format(q_insert, '''I''', img_new, '(select NEW.*) n'),
+                format(q_insert, '''D''', img_old, '(select OLD.*) o'),
+                array_to_string(array(select format('NEW.%I', c) from unnest(i_keys) c), ', '),
+                array_to_string(array(select format('OLD.%I', c) from unnest(i_keys) c), ', '),
+                table_lit, table_lit,
+                format(q_insert, '''U''', img_upd, '(select NEW.*) n, (select OLD.*) o')));
+        end if;
     end if;
     execute format('create or replace function pgcascade.%I() returns trigger language plpgsql%s as %L',
         fn || '_trunc', fn_definer, format($f$
@@ -181,7 +216,7 @@ begin
 end $f$, i_queue));
     -- a trigger function's EXECUTE right is checked when a trigger is created, not when it
     -- fires: nobody but their owner may attach them to a table of theirs and write events
-    foreach op in array array['ins', 'upd', 'del', 'trunc'] loop
+    foreach op in array array['ins', 'upd', 'del', 'trunc'] || case when partitioned then array['row'] end loop
         execute format('revoke all on function pgcascade.%I() from public', fn || '_' || op);
     end loop;
 end $$;
@@ -239,7 +274,7 @@ declare
     t text;
 begin
     foreach t in array array['_pgcascade_capture_ins', '_pgcascade_capture_upd', '_pgcascade_capture_del',
-                             '_pgcascade_capture_trunc', '_pgcascade_partmark', '_pgcascade_partguard'] loop
+                             '_pgcascade_capture_trunc', '_pgcascade_capture_row'] loop
         execute format('drop trigger if exists %I on %s', t, i_table);
     end loop;
     perform pgcascade.capture_partitions_drop(i_table, true);
@@ -252,7 +287,7 @@ declare
     op text;
 begin
     perform pgcascade.capture_disable_triggers(i_table);
-    foreach op in array array['ins', 'upd', 'del', 'trunc', 'mark', 'guard'] loop
+    foreach op in array array['ins', 'upd', 'del', 'trunc', 'row'] loop
         execute format('drop function if exists pgcascade.%I()', 'capture_' || i_table::oid || '_' || op);
     end loop;
 end $$;
