@@ -162,3 +162,35 @@ def test_refusals_are_one_line_and_change_nothing(replica, make_db):
     assert "are for a leaf, and branch1 is a branch" in refused(
         ORDERS, "--where", EU, "--create", node="branch"
     )
+
+
+def test_a_repair_sent_down_the_cascade_honours_the_filter(replica):
+    """A repair run on a branch reaches a leaf below it as pgcascade.repair events of the root's
+    rows (sql/replica/94_repair.sql): the filtered leaf inserts only the rows its filter passes."""
+    from pgcascade.replica.apply import APPLY_SETTINGS, STAGE_TABLE, TableApplier, ensure_stage
+
+    make_orders(replica.root)
+    make_orders(replica.leaf)
+    run(replica.leaf, "alter table orders drop column secret")
+    replica.setup()
+    replica.cli("root", "add-table", ORDERS)
+    replica.cli("leaf", "add-table", ORDERS, "--where", EU, "--columns", LISTED, "--expect-sync")
+    rows = [
+        {"id": i, "region": r, "amount": 7, "secret": "pii"} for i, r in ((1, "eu"), (2, "us"), (3, "eu"))
+    ]
+    with replica.leaf.connect() as conn, replica.root.connect() as prov, conn.transaction():
+        conn.execute(APPLY_SETTINGS)  # as the worker applies a batch
+        a = TableApplier.build(conn, prov, subscriber.get_table(conn, "rep", ORDERS), "json")
+        ensure_stage(conn)
+        conn.execute(
+            f"insert into {STAGE_TABLE} (ev_id, ev_type, ev_data, ev_extra1) values (1, 'pgcascade.repair', %s, %s)",
+            (json.dumps({"keys": [{"id": i} for i in (1, 2, 3, 4)], "rows": rows}), ORDERS),
+        )
+        a.apply_repair(conn, 1)
+    got = [
+        tuple(r)
+        for r in replica.leaf.connect().execute(
+            "select id, region, amount from orders where id <= 4 order by id"
+        )
+    ]
+    assert got == [(1, "eu", 7), (3, "eu", 7)], got

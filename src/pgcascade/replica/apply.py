@@ -233,8 +233,8 @@ class TableApplier:
         """A repair the root sent down the cascade (sql/replica/94_repair.sql), at its place."""
         try:
             sub.execute(
-                "select pgcascade.apply_repair(%s, %s::regclass, %s, %s)",
-                (ev_id, self.dest, self.keys, self.cols),
+                "select pgcascade.apply_repair(%s, %s::regclass, %s, %s, %s)",
+                (ev_id, self.dest, self.keys, self.cols, self.row_filter),
             )
         except psycopg.OperationalError:
             raise

@@ -1,9 +1,12 @@
--- pgcascade.apply_repair(ev_id, dest, keys, cols) -> rows inserted.
+-- pgcascade.apply_repair(ev_id, dest, keys, cols, row_filter) -> rows inserted.
 -- Applies the `pgcascade.repair` event staged in pg_temp.pgcascade_stage with this ev_id (made by
 -- the root's emit_repair, sql/capture/96_repair.sql) to `dest`: deletes the rows of the event's
--- keys, then inserts its row images (columns `cols`: those both sides have, none generated).
+-- keys, then inserts its row images (columns `cols`: those both sides have, none generated, of
+-- a leaf's column list) - on a leaf with a row filter, those that pass it.
 -- Runs in the batch's transaction, at the event's place among the batch's other events.
-create or replace function pgcascade.apply_repair(i_ev_id int8, i_dest regclass, i_keys text[], i_cols text[])
+drop function if exists pgcascade.apply_repair(int8, regclass, text[], text[]);  -- before the filter
+create or replace function pgcascade.apply_repair(i_ev_id int8, i_dest regclass, i_keys text[], i_cols text[],
+                                                  i_filter text default null)
 returns int8
 language plpgsql as $$
 declare
@@ -24,9 +27,12 @@ begin
         execute format('delete from %s t using json_to_recordset($1) as k(%s) where %s', i_dest, v_coldefs, v_match)
           using v_data -> 'keys';
     end if;
+    -- the filter's names bind to the row's columns only (replica/filters.py)
     execute format('insert into %s (%s) overriding system value select %s'
-                   ' from json_array_elements($1) e cross join lateral pgcascade.event_row(null::%s, e.value::text) r',
-                   i_dest, v_cols, v_rcols, i_dest)
+                   ' from json_array_elements($1) e cross join lateral pgcascade.event_row(null::%s, e.value::text) r%s',
+                   i_dest, v_cols, v_rcols, i_dest,
+                   case when i_filter is not null
+                        then format(' where coalesce((select %s from (select r.*) pgcascade_f), false)', i_filter) end)
       using v_data -> 'rows';
     get diagnostics v_rows = row_count;
     return v_rows;
