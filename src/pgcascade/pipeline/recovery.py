@@ -84,20 +84,25 @@ def recover_slot(cfg: JobConfig, spark_for, progress: bool = True) -> int:
 
 
 def compare_plan(root: psycopg.Connection, queue: str) -> list[tuple[survey.Member, list[str]]]:
-    """Each table of the set with one subscriber directly below the root that holds it in state
-    ok (the first by name); a table none holds is only reported."""
+    """Each table of the set with one subscriber directly below the root that holds all of it
+    (state ok, no row filter or column list; the first by name); a table none holds is only
+    reported.  Two-way peers and merge-leaves hold rows of their own: not compared."""
     me = nodes.require_node(root, queue)
     left = set(set_tables.set_tables(root, queue))
     plan = []
     below = [
         m
         for m in survey.survey(root, queue)
-        if m.node is not None and m.node.provider_node == me.node_name and not m.node.is_peer and not m.dead
+        if m.node is not None
+        and m.node.provider_node == me.node_name
+        and not (m.node.is_peer or m.node.combined_queue or m.dead)
     ]
     for m in sorted(below, key=lambda m: m.name):
         with survey.connect(m.location) as conn:
             ok = [
-                t.table_name for t in subscriber.tables(conn, queue) if t.state.is_ok and t.table_name in left
+                t.table_name
+                for t in subscriber.tables(conn, queue)
+                if t.state.is_ok and t.table_name in left and t.row_filter is None and t.column_list is None
             ]
         if ok:
             plan.append((m, sorted(ok)))

@@ -230,7 +230,8 @@ class TableApplier:
         )
 
     def apply_repair(self, sub: psycopg.Connection, ev_id: int) -> None:
-        """A repair the root sent down the cascade (sql/replica/94_repair.sql), at its place."""
+        """A repair the root sent down the cascade (sql/replica/94_repair.sql), at its place,
+        within this node's row filter and column list."""
         try:
             sub.execute(
                 "select pgcascade.apply_repair(%s, %s::regclass, %s, %s, %s)",
