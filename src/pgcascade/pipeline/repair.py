@@ -254,13 +254,17 @@ def emit_fix(
                     spec = specs[tidx]
                     keyvals = json.dumps([dict(zip(spec.keys, k, strict=True)) for k in keys])
                     set_tables.emit_repair(root, queue, spec.table, list(spec.keys), keyvals)
-            if logical.is_logical(root, queue):
-                logical.wait_captured(root, queue, timeout)
-            return q.ticker(root, queue)
         except psycopg.errors.LockNotAvailable:
             raise RuntimeFailure(f"could not lock the tables on the root within {LOCK_TIMEOUT}") from None
         except psycopg.Error as e:
             raise RuntimeFailure(f"repair failed, nothing sent: {db_error_line(e)}") from None
+        try:  # sent: what fails from here on leaves the fix queued, to be applied in order
+            if logical.is_logical(root, queue):
+                logical.wait_captured(root, queue, max(timeout, CASCADE_WAIT))
+            return q.ticker(root, queue)
+        except (psycopg.Error, RuntimeFailure) as e:
+            why = db_error_line(e) if isinstance(e, psycopg.Error) else str(e)
+            raise RuntimeFailure(f"the fix is in the root's queue, but not yet in a batch: {why}") from None
 
 
 def _replace_rows(
