@@ -114,8 +114,11 @@ def install(
             " version int4 primary key, name text not null,"
             " applied_at timestamptz not null default now())"
         )
+        # every migration not recorded yet, not only those above the highest: a database built
+        # from a development tree may hold a later one without an earlier one
+        applied = {r[0] for r in conn.execute("select version from pgcascade.schema_version")}
         for m in migrations():
-            if before < m.version <= target:
+            if m.version not in applied and m.version <= target:
                 conn.execute(m.sql.encode())
                 conn.execute(
                     "insert into pgcascade.schema_version (version, name) values (%s, %s)",
