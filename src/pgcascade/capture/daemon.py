@@ -337,7 +337,7 @@ class WalCapture(Daemon):
             relids = r.unpack(f">{nrels}I")
             self.flush()
             for relid in relids:
-                self.insert_event("R", None, self.rels[relid].canonical)
+                self.insert_event("R", None, self.rels[relid].canonical, self.origin)
         elif kind == b"M":
             self.on_message(r)
         else:
@@ -406,7 +406,8 @@ class WalCapture(Daemon):
         if ev.get("queue") != self.queue:
             return
         self.flush()
-        self.insert_event(ev["type"], ev.get("data"), ev.get("extra1"))
+        # a message a peer's apply wrote (a DDL passed on to the leaves) is tagged as its rows are
+        self.insert_event(ev["type"], ev.get("data"), ev.get("extra1"), ev.get("origin") or self.origin)
 
     # --- writing events ---
     def add_row(self, relid: int, op: str, vals: list[Value], size: int) -> None:
@@ -468,9 +469,11 @@ class WalCapture(Daemon):
             image=sql.SQL(image), table=sql.Literal(rel.canonical), cols=cols, queue=sql.Literal(self.queue)
         )
 
-    def insert_event(self, ev_type: str, data: str | None, extra1: str | None) -> None:
-        if ev_type == "R" and self.origin is not None:  # a TRUNCATE a peer's apply made
-            self.insert_rare_event(ev_type, extra1)
+    def insert_event(
+        self, ev_type: str, data: str | None, extra1: str | None, origin: str | None = None
+    ) -> None:
+        if origin is not None:  # a TRUNCATE, or a DDL, a peer's apply made
+            self.insert_rare_event(ev_type, data, extra1, origin)
             return
         assert self.writer is not None
         cur = self.writer.execute(
@@ -483,10 +486,10 @@ class WalCapture(Daemon):
             raise RuntimeFailure(f"queue {self.queue} does not exist any more")
         self.events += 1
 
-    def insert_rare_event(self, ev_type: str, extra1: str | None) -> None:
+    def insert_rare_event(self, ev_type: str, data: str | None, extra1: str | None, origin: str) -> None:
         assert self.writer is not None
         self.writer.execute(
-            "select pgcascade.insert_event(%s, %s, null, %s, null, null, %s)",
-            (self.queue, ev_type, extra1, self.origin),
+            "select pgcascade.insert_event(%s, %s, %s, %s, null, null, %s)",
+            (self.queue, ev_type, data, extra1, origin),
         )
         self.events += 1

@@ -60,6 +60,7 @@ VERBS = {
     **dict.fromkeys(["provider", "subscriber", "replay"], "londiste2"),
     **dict.fromkeys(["import-londiste", "drop-londiste", "back-to-londiste"], "londiste3"),
     **dict.fromkeys(["add-peer", "conflicts"], "twoway"),
+    "auto-ddl": "ddl",
     "demo": "demo",
     "completion": "shell",
 }

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 import psycopg
 
+from pgcascade.capture import ddl
 from pgcascade.capture import tables as set_tables
 from pgcascade.cascade import admin, peers, waits
 from pgcascade.cli.context import Context, echo_json, pass_ctx, require_subscriber, say
@@ -147,6 +148,8 @@ def add_table(
                 )
                 if part.role.copies_events:
                     pass_seqs_on(conn, part.queue_name)
+            if all_tables:
+                nodes.take_all_tables(conn, part.queue_name)
             if part.combined_queue and added:
                 admin.register_merged_tables(conn, part.combined_queue, part.queue_name, added)
             echo_each("added", added if part is node else [f"{t} ({part.queue_name})" for t in added])
@@ -190,6 +193,9 @@ def tables_cmd(ctx: Context, as_json: bool) -> None:
             for t, keys in set_tables.set_tables(conn, ctx.queue()).items():
                 states = ", ".join(f"from {peer}: {got.get(t, '-')}" for peer, got in from_peers.items())
                 click.echo(f"{t}  key: {', '.join(keys)}" + (f"  ({states})" if states else ""))
+            setting = ddl.setting(conn, ctx.queue())
+            if setting:
+                click.echo(f"auto-ddl: {setting.describe()}")
             return
         for st in subscriber.tables(conn, ctx.queue()):
             dest = f" -> {st.dest_table}" if st.dest_table != st.table_name else ""

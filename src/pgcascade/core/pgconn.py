@@ -27,7 +27,9 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-SESSION_OPTIONS = "-c datestyle=ISO,YMD -c intervalstyle=postgres"
+# pgcascade.auto_ddl=off: DDL pgcascade runs itself (install, add-table's triggers, a copy's
+# indexes, `execute`, which queues its script itself) is never captured by auto-ddl
+SESSION_OPTIONS = "-c datestyle=ISO,YMD -c intervalstyle=postgres -c pgcascade.auto_ddl=off"
 # what a connection string may hold that pgcascade never stores or sends (docs/operations.md)
 SECRET_KEYS = ("password", "sslpassword")
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import psycopg
 
-from pgcascade.capture import logical
+from pgcascade.capture import ddl, logical
 from pgcascade.capture import tables as set_tables
 from pgcascade.cascade import survey
 from pgcascade.core import pgconn
@@ -193,6 +193,9 @@ def node_report(conn: psycopg.Connection, node: nodes.Node) -> dict[str, Any]:
         report["daemons"] = daemons_report(conn, node)
         if node.role.captures_changes:
             report["capture"] = capture_report(conn, node.queue_name)
+            report["auto_ddl"] = auto_ddl_report(conn, node.queue_name)
+        else:
+            report["takes_new_tables"] = node.all_tables
         if node.role.has_queue:
             report["queue"] = queue_report(conn, node.queue_name)
         if node.role.is_root:
@@ -252,6 +255,16 @@ def queue_report(conn: psycopg.Connection, queue: str) -> dict[str, Any]:
     if r.oldest_tick_time is not None:
         out["oldest_tick_age_seconds"] = seconds(scalar(conn, "select now()") - r.oldest_tick_time)
     return out
+
+
+def auto_ddl_report(conn: psycopg.Connection, queue: str) -> dict[str, Any]:
+    """Whether the root captures its DDL (auto-ddl), and adds its new tables."""
+    setting = ddl.setting(conn, queue)
+    return {
+        "on": setting is not None,
+        "add_new_tables": setting is not None and setting.add_new_tables,
+        "event_triggers": ddl.triggers_ok(conn),
+    }
 
 
 def capture_report(conn: psycopg.Connection, queue: str) -> dict[str, Any]:

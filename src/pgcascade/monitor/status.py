@@ -11,6 +11,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.tree import Tree
 
+from pgcascade.capture import ddl
 from pgcascade.capture import logical as walcapture
 from pgcascade.cascade.survey import Member, tree_rows
 from pgcascade.monitor import report
@@ -164,6 +165,10 @@ def print_node_status(conn: psycopg.Connection, node: Node) -> None:
     console.print(set_tree(conn, node.queue_name))
     if node.role.captures_changes:
         print_capture_status(console, conn, node.queue_name)
+        setting = ddl.setting(conn, node.queue_name)
+        console.print(f"auto-ddl: {setting.describe() if setting else 'off (DDL through execute)'}")
+    elif node.all_tables:
+        console.print("new tables of the set: added here too (add-table --all)")
     if node.role.has_queue:
         console.print(queue_tables(conn))
         console.print(watermark_table(conn, node.queue_name))

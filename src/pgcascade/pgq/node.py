@@ -78,6 +78,7 @@ class Node:
     peer_of: str | None = None  # a two-way peer subscription: the queue this master is the root of
     conflict_policy: str | None = None  # a peer subscription's default conflict policy
     apply_delay: timedelta | None = None  # a delayed leaf: the apply_delay its worker runs with
+    all_tables: bool = False  # a subscriber that took the set's tables with add-table --all (and new ones)
 
     @property
     def is_peer(self) -> bool:
@@ -95,7 +96,7 @@ class Node:
 
 NODE_COLUMNS = (
     "queue_name, node_name, node_type, provider_node, worker_name, last_tick, paused, last_error,"
-    " combined_queue, peer_of, conflict_policy, apply_delay"
+    " combined_queue, peer_of, conflict_policy, apply_delay, all_tables"
 )
 
 
@@ -197,6 +198,12 @@ def peer_ticks(conn: psycopg.Connection, own_queue: str) -> dict[str, int | None
 
 def set_conflict_policy(conn: psycopg.Connection, queue_name: str, policy: str) -> None:
     conn.execute("update pgcascade.node set conflict_policy = %s where queue_name = %s", (policy, queue_name))
+
+
+def take_all_tables(conn: psycopg.Connection, queue_name: str) -> None:
+    """The subscriber took the set's tables with add-table --all: it takes those the root adds by
+    DDL too (auto-ddl --add-new-tables)."""
+    conn.execute("update pgcascade.node set all_tables = true where queue_name = %s", (queue_name,))
 
 
 def applied_tick(conn: psycopg.Connection, queue_name: str) -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psycopg
@@ -165,10 +166,10 @@ class TableApplier:
 
     @classmethod
     def build(
-        cls, sub: psycopg.Connection, prov: psycopg.Connection, st: SubscriberTable, event_format: str
+        cls, sub: psycopg.Connection, prov: psycopg.Connection | None, st: SubscriberTable, event_format: str
     ) -> TableApplier:
         dest_cols = catalog.columns(sub, st.dest_table)
-        if catalog.table_exists(prov, st.table_name):
+        if prov is not None and catalog.table_exists(prov, st.table_name):
             prov_names = {c.name for c in catalog.columns(prov, st.table_name)}
             unique = catalog.has_unique_index_on(prov, st.table_name, st.key_columns)
         else:  # a queue-only branch carries the events of a table it does not have itself
@@ -328,17 +329,24 @@ class BatchStats:
             self.per_table[t] = self.per_table.get(t, 0) + n
 
 
+DdlRunner = Callable[
+    [psycopg.Connection, int, str, str | None, dict[str, TableApplier], PeerBatch | None], bool
+]
+
+
 def apply_staged(
     sub: psycopg.Connection,
     appliers: dict[str, TableApplier],
     skip: str | None = None,
     queue: str | None = None,
     peer: PeerBatch | None = None,
+    ddl: DdlRunner | None = None,
 ) -> BatchStats:
     """Apply the staged batch: segments of row events between barrier events, in ev_id order.
     Copy processes pass the copy's snapshot as `skip`; the worker passes its `queue`, for the
-    set's own events (locations, watermark), which copy processes leave to it; and `peer` for
-    a two-way peer's batch."""
+    set's own events (locations, watermark), which copy processes leave to it, its `ddl` runner
+    for EXECUTE events (replica/ddl.py: runs one if it concerns this node, and says whether it
+    did), and `peer` for a two-way peer's batch."""
     stats = BatchStats()
     if peer is not None and skip is not None:  # the peer's apply takes no snapshot: drop them here
         sub.execute(
@@ -377,20 +385,12 @@ def apply_staged(
             continue
         flush_truncate(sub, pending_truncate)
         if ev_type == "EXECUTE":
-            if skip is None:  # copy processes leave DDL to the main worker
-                log.info("executing %s from the queue", ev_extra1 or "script")
+            if skip is None and ddl is not None:  # copy processes leave DDL to the main worker
                 pause_point("execute")
-                try:
-                    sub.execute(ev_data.encode())
-                except psycopg.OperationalError:
-                    raise
-                except psycopg.Error as e:
-                    raise ApplyError(f"EXECUTE {ev_extra1 or ''} (event {ev_id}): {db_error_line(e)}") from e
-                stats.executed += 1
-                if peer is not None:  # on to the leaves under this master, tagged: not to its peers
-                    q.insert_event(sub, peer.own_queue, "EXECUTE", ev_data, ev_extra1, None, None, peer.peer)
-                for a in appliers.values():
-                    a.after_ddl(sub)
+                if ddl(sub, ev_id, ev_data, ev_extra1, appliers, peer):
+                    stats.executed += 1
+                else:
+                    stats.ignored += 1
         elif ev_type == q.REPAIR_EVENT:
             a = appliers.get(ev_extra1)
             if a is None or peer is not None:  # a peer's repairs are for the nodes under that peer

@@ -58,6 +58,7 @@ from pgcascade.replica.apply import (
 )
 from pgcascade.replica.copies import CopyLauncher
 from pgcascade.replica.copy import BulkCopier
+from pgcascade.replica.ddl import DdlReplay
 from pgcascade.replica.delay import ApplyDelay
 from pgcascade.replica.parallel import ParallelApply, ahead_of, left_out
 from pgcascade.replica.state import Phase
@@ -360,7 +361,7 @@ class Worker(Daemon):
             self.drop_partition_truncates(sub)
         elif carry:
             q.carry_events(sub, self.queue, STAGE_TABLE)
-        stats = apply_staged(sub, appliers, queue=self.queue, peer=peer)
+        stats = apply_staged(sub, appliers, queue=self.queue, peer=peer, ddl=DdlReplay(node).replay)
         if rows_applied is not None:
             stats.add(rows_applied)
         self.phases.mark("apply")
@@ -374,7 +375,7 @@ class Worker(Daemon):
                 (node.peer_of, self.queue, peer.peer, info.cur_tick_id, snapshot),
             )
         elif stats.table_list is not None:
-            self.drop_tables_left_the_set(sub, prov, tables, stats.table_list)
+            self.drop_tables_left_the_set(sub, prov, stats.table_list)
             if node.role.copies_events:
                 set_tables.mirror_set_tables(sub, self.queue, set_tables.set_table_rows(prov, self.queue))
         if node.role.copies_events:
@@ -449,17 +450,14 @@ class Worker(Daemon):
             metrics.TABLES.labels(self.queue, node.node_name, phase.value).set(n)
 
     def drop_tables_left_the_set(
-        self,
-        sub: psycopg.Connection,
-        prov: psycopg.Connection,
-        tables: list[subscriber.SubscriberTable],
-        in_set: list[str],
+        self, sub: psycopg.Connection, prov: psycopg.Connection, in_set: list[str]
     ) -> None:
         """The root removed tables from the set (a T event): unregister them here too (the seed's
         rule) - those the provider does not have now either, so an old T event never removes a
         table that was added back since."""
         now_in_set = set(set_tables.set_tables(prov, self.queue))
-        gone = [t.table_name for t in tables if t.table_name not in in_set and t.table_name not in now_in_set]
+        held = subscriber.tables(sub, self.queue)  # as the batch left them (a DROP TABLE replayed)
+        gone = [t.table_name for t in held if t.table_name not in in_set and t.table_name not in now_in_set]
         if gone:
             subscriber.remove_tables(sub, self.queue, gone)
             self.applier_key = ()

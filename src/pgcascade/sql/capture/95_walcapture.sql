@@ -101,6 +101,22 @@ begin
     end if;
 end $$;
 
+-- pgcascade.emit_event(queue, type, data, extra1, origin) -> void: the same, for an event a
+-- two-way master's apply passes on from peer `origin` to the leaves under it (tagged: its peers
+-- take no tagged event).
+create or replace function pgcascade.emit_event(i_queue text, i_type text, i_data text, i_extra1 text, i_origin text)
+returns void
+language plpgsql as $$
+begin
+    if exists (select 1 from pgcascade.walcapture where queue_name = i_queue) then
+        perform pg_logical_emit_message(true, 'pgcascade',
+            json_build_object('queue', i_queue, 'type', i_type, 'data', i_data, 'extra1', i_extra1,
+                              'origin', i_origin)::text);
+    else
+        perform pgcascade.insert_event(i_queue, i_type, i_data, i_extra1, null, null, i_origin);
+    end if;
+end $$;
+
 -- pgcascade.walcapture_status(queue) -> the slot's state: bytes of WAL it holds back
 -- (retained), bytes not captured yet (behind), and the time since the last captured commit.
 create or replace function pgcascade.walcapture_status(

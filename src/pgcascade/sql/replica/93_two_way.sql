@@ -121,8 +121,26 @@ begin
     end if;
 end $$;
 
+-- pgcascade.missing_row_expr(table) -> the SQL expression of a row of the table holding, in each
+-- column added with a default since rows were written, that value for the rows written before
+-- (attmissingval), and null in the others.  A peer's change made before it ran an ADD COLUMN
+-- that this master ran already has no such column in its image: on the peer, that row has
+-- the column's value for old rows, so this master gives it the same (json_populate_record
+-- keeps the base row's value of a column missing from the image).
+create or replace function pgcascade.missing_row_expr(i_table regclass) returns text
+language sql stable as $$
+    select case when bool_or(a.atthasmissing) then
+               format('row(%s)::%s', string_agg(
+                   case when a.atthasmissing
+                        then format('(%L::text[])[1]::%s', a.attmissingval::text, format_type(a.atttypid, a.atttypmod))
+                        else format('null::%s', format_type(a.atttypid, a.atttypmod)) end,
+                   ', ' order by a.attnum), i_table)
+           else format('null::%s', i_table) end
+      from pg_attribute a where a.attrelid = i_table and a.attnum > 0 and not a.attisdropped
+$$;
+
 -- pgcascade.apply_peer_rows(peer_queue, peer, self, table, dest, keys, cols, lo, hi, tick, policy)
---   -> conflicts found.
+--   -> conflicts found.  (`cols` is no longer read: the table's columns here are.)
 -- Applies one table's staged row events (lo <= ev_id < hi) of a peer's batch, set-based, with
 -- conflict detection and resolution per key.  Runs without a savepoint, so that the rows it
 -- writes carry the apply's own transaction id (row_version.xid).  The staged ev_time is the
@@ -140,8 +158,14 @@ declare
           from unnest(i_keys) with ordinality u(k, i)
           join pg_attribute a on a.attrelid = i_dest and a.attname = u.k
          order by i), ' and ');
-    v_cols text := array_to_string(array(select quote_ident(c) from unnest(i_cols) c), ', ');
-    v_rcols text := array_to_string(array(select 'r.' || quote_ident(c) from unnest(i_cols) c), ', ');
+    -- every column the table has here now (not the columns both sides had when the worker read
+    -- them: DDL on either master may have changed them since); one the peer's image lacks gets
+    -- the value of old rows (missing_row_expr), one only the peer has is left out
+    v_colnames text[] := array(select a.attname::text from pg_attribute a where a.attrelid = i_dest and a.attnum > 0
+                                  and not a.attisdropped and a.attgenerated = '' order by a.attnum);
+    v_cols text := array_to_string(array(select quote_ident(c) from unnest(v_colnames) c), ', ');
+    v_base text := pgcascade.missing_row_expr(i_dest);
+    v_rcols text := array_to_string(array(select 'r.' || quote_ident(c) from unnest(v_colnames) c), ', ');
     v_lww text := '(case when coalesce(n.local_time, ''-infinity'') < n.remote_time'
                   ' or (coalesce(n.local_time, ''-infinity'') = n.remote_time and n.local_origin < %L)'
                   ' then ''remote'' else ''local'' end)';
@@ -290,16 +314,16 @@ begin
     end if;
     if v_updates > 0 then
         execute format('update %s t set (%s) = (select %s) from pg_temp.pgcascade_peer_net n'
-                       ' cross join lateral json_populate_record(null::%s, n.ev_data::json) r'
+                       ' cross join lateral json_populate_record(%s, n.ev_data::json) r'
                        ' where n.winner = ''remote'' and n.ev_type <> ''D'' and n.local_exists and %s',
-                       i_dest, v_cols, v_rcols, i_dest, v_match);
+                       i_dest, v_cols, v_rcols, v_base, v_match);
     end if;
     if v_inserts > 0 then
         execute format('insert into %s (%s) select %s from pg_temp.pgcascade_peer_net n'
-                       ' cross join lateral json_populate_record(null::%s, n.ev_data::json) r'
+                       ' cross join lateral json_populate_record(%s, n.ev_data::json) r'
                        ' where n.winner = ''remote'' and n.ev_type <> ''D'' and not n.local_exists'
                        ' on conflict (%s) do nothing',
-                       i_dest, v_cols, v_rcols, i_dest,
+                       i_dest, v_cols, v_rcols, v_base,
                        array_to_string(array(select quote_ident(k) from unnest(i_keys) k), ', '));
         get diagnostics v_inserted = row_count;
         if v_inserted < v_inserts then

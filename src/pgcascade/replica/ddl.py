@@ -1,0 +1,207 @@
+"""Replaying the DDL of the queue (EXECUTE events) on a subscriber or a two-way master.
+
+`execute FILE` scripts run everywhere, as they always did.  The DDL that auto-ddl captured on
+the root (sql/capture/96_auto_ddl.sql) carries a description in ev_extra1 - the search_path it
+ran under, the set tables it changes, the tables it creates or drops - so each node runs what
+concerns it, at the same point of the stream:
+
+- a subscriber runs the statements that change tables it replicates under their own names, and
+  the CREATE TABLE of a new set table when it took the set's tables with `add-table --all`
+  (the table is then replicated here in state ok: it is empty on both sides at this point; one
+  that was here already is copied); a DROP TABLE drops the set tables it holds and forgets them;
+- a two-way master runs every statement, and a table a peer created or dropped joins or leaves
+  its own set, as it did on the peer (`ddl_table_created`, `ddl_table_dropped`); the statement
+  goes on to the leaves under it, tagged with the peer (its other peers have it from the peer).
+
+Everything happens in the batch's transaction, under session_replication_role = replica, where
+the event triggers do not fire: what is replayed is never captured again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+
+import psycopg
+from psycopg import sql
+
+from pgcascade.core import catalog
+from pgcascade.core.errors import db_error_line
+from pgcascade.core.pgconn import scalar
+from pgcascade.pgq import node as nodes
+from pgcascade.replica import state as states
+from pgcascade.replica import tables as subscriber
+from pgcascade.replica.apply import ApplyError, PeerBatch, TableApplier
+
+log = logging.getLogger("pgcascade.apply")
+
+
+@dataclass(frozen=True)
+class CapturedDdl:
+    """ev_extra1 of an EXECUTE event that auto-ddl wrote (docs/ddl.md, "The event")."""
+
+    command: str
+    search_path: list[str]
+    tables: list[str]  # set tables it changes
+    created: dict[str, list[str]] = field(default_factory=dict)  # new set table -> key columns
+    dropped: list[str] = field(default_factory=list)
+    cascade: bool = False
+
+    @classmethod
+    def parse(cls, extra1: str | None) -> CapturedDdl | None:
+        """The description, or None for a script of `execute` (its file name is there)."""
+        if not extra1 or not extra1.startswith("{"):
+            return None
+        try:
+            meta = json.loads(extra1)
+        except ValueError:
+            return None
+        if not isinstance(meta, dict) or "auto-ddl" not in meta:
+            return None
+        return cls(
+            str(meta.get("command", "")),
+            list(meta.get("search_path") or []),
+            list(meta.get("tables") or []),
+            dict(meta.get("created") or {}),
+            list(meta.get("dropped") or []),
+            bool(meta.get("cascade")),
+        )
+
+    def label(self) -> str:
+        return f"auto-ddl {self.command} {', '.join(self.tables or list(self.created) or self.dropped)}"
+
+
+class DdlReplay:
+    """How the worker of `node` runs the EXECUTE events of its provider's queue."""
+
+    def __init__(self, node: nodes.Node):
+        self.node = node
+
+    def replay(
+        self,
+        sub: psycopg.Connection,
+        ev_id: int,
+        statement: str,
+        extra1: str | None,
+        appliers: dict[str, TableApplier],
+        peer: PeerBatch | None,
+    ) -> bool:
+        """Run the event's DDL here if it concerns this node (`appliers` follow it); whether it ran."""
+        ddl = CapturedDdl.parse(extra1)
+        label = ddl.label() if ddl else (extra1 or "script")
+        held = {t.table_name: t for t in subscriber.tables(sub, self.node.queue_name)}
+        if ddl is not None and peer is None:
+            mine = self.for_subscriber(ddl, statement, held)
+            if mine is None:
+                log.info("%s (event %d): not replicated here, skipped", label, ev_id)
+                return False
+            statement = mine
+        existed = {t: catalog.table_exists(sub, t) for t in ddl.created} if ddl else {}
+        dropped_oids = {t: table_oid(sub, t) for t in ddl.dropped} if ddl and peer else {}
+        log.info("executing %s from the queue", label)
+        run(sub, ev_id, label, statement, ddl.search_path if ddl else None)
+        for a in appliers.values():  # the batch's later rows carry the new definition
+            a.after_ddl(sub)
+        if peer is not None:  # on to the leaves under this master, tagged: not to its peers
+            sub.execute(
+                "select pgcascade.emit_event(%s, 'EXECUTE', %s, %s, %s)",
+                (peer.own_queue, statement, extra1, peer.peer),
+            )
+        if ddl is None:
+            return True
+        for table, keys in ddl.created.items():
+            self.created(sub, table, keys, existed[table], appliers, peer)
+        for table in ddl.dropped:
+            appliers.pop(table, None)
+            if peer is not None:
+                sub.execute(
+                    "select pgcascade.ddl_table_dropped(%s, %s, %s)",
+                    (peer.own_queue, table, dropped_oids[table]),
+                )
+            elif table in held:
+                subscriber.remove_tables(sub, self.node.queue_name, [table])
+        return True
+
+    def for_subscriber(
+        self, ddl: CapturedDdl, statement: str, held: dict[str, subscriber.SubscriberTable]
+    ) -> str | None:
+        """The statement as this subscriber runs it, or None: the tables it changes are not
+        replicated here under their own names (or, for a new table, this node does not take
+        the set's new tables)."""
+        elsewhere = [t for t in ddl.tables + ddl.dropped if t in held and held[t].dest_table != t]
+        if elsewhere:
+            log.warning(
+                "%s: replicated here into %s: DDL of the root not run",
+                ddl.label(),
+                held[elsewhere[0]].dest_table,
+            )
+        if ddl.dropped:
+            mine = [t for t in ddl.dropped if t in held and held[t].dest_table == t]
+            if not mine:
+                return None
+            return f"drop table {', '.join(mine)}{' cascade' if ddl.cascade else ''}"
+        if any(t in held and held[t].dest_table == t for t in ddl.tables):
+            return statement
+        return statement if ddl.created and self.node.all_tables else None
+
+    def created(
+        self,
+        sub: psycopg.Connection,
+        table: str,
+        keys: list[str],
+        existed: bool,
+        appliers: dict[str, TableApplier],
+        peer: PeerBatch | None,
+    ) -> None:
+        """A new set table, made here by the statement just run (or here before it)."""
+        if not catalog.table_exists(sub, table):
+            raise ApplyError(
+                f"auto-ddl: the CREATE TABLE of {table} made no table of that name here (its search_path?)"
+            )
+        if peer is not None:
+            if existed:
+                raise ApplyError(
+                    f"auto-ddl: {table}, which master {peer.peer} created, was here already: drop or rename"
+                    " it here, and the worker goes on from this batch"
+                )
+            sub.execute(
+                "select pgcascade.ddl_table_created(%s, %s::regclass, %s)", (peer.own_queue, table, keys)
+            )
+        else:
+            # empty on both sides at this point of the stream; a table that was here is copied
+            subscriber.adopt_table(
+                sub, self.node.queue_name, table, table, keys, states.NEW if existed else states.OK
+            )
+            if existed:
+                return
+        st = subscriber.get_table(sub, self.node.queue_name, table)
+        assert st is not None
+        appliers[table] = TableApplier.build(sub, None, st, "json")
+
+
+def run(
+    sub: psycopg.Connection, ev_id: int, label: str, statement: str, search_path: list[str] | None
+) -> None:
+    """The statement, under the root's search_path when it was captured (and this session's
+    after it)."""
+    try:
+        before = None
+        if search_path is not None:
+            before = scalar(sub, "select current_setting('search_path')")
+            sub.execute(
+                "select set_config('search_path', coalesce((select string_agg(quote_ident(s), ', ' order by o)"
+                " from unnest(%s::text[]) with ordinality u(s, o)), ''), true)",
+                (search_path,),
+            )
+        sub.execute(statement.encode())
+        if before is not None:
+            sub.execute("select set_config('search_path', %s, true)", (before,))
+    except psycopg.OperationalError:
+        raise
+    except psycopg.Error as e:
+        raise ApplyError(f"EXECUTE {label} (event {ev_id}): {db_error_line(e)}") from e
+
+
+def table_oid(sub: psycopg.Connection, table: str) -> int | None:
+    return scalar(sub, sql.SQL("select to_regclass({})::oid").format(sql.Literal(table)))

@@ -1,0 +1,103 @@
+"""Automatic DDL (docs/ddl.md): DDL run the ordinary way on a root or a two-way master, while
+writes go on, reaches every node at its place in the stream.  Every node is compared outside
+pgcascade: its columns and indexes from the catalog, its rows by an md5 computed by PostgreSQL."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import psycopg
+from conftest import table_checksum
+from test_replication import PGBENCH_TABLES, pgbench, pgbench_init
+from test_two_way import Master, TwoWaySet, make_tables
+
+from pgcascade.dev.localcluster import pg_bindir, wait_until
+
+
+def schema_of(db, *tables: str) -> dict[str, tuple]:
+    """Each table's columns (name, type, nullability, default) and index definitions."""
+    with db.connect() as conn:
+        out = {}
+        for t in tables:
+            cols = conn.execute(
+                "select column_name, data_type, is_nullable, column_default from information_schema.columns"
+                " where table_schema = 'public' and table_name = %s order by ordinal_position",
+                (t,),
+            ).fetchall()
+            indexes = conn.execute(
+                "select indexdef from pg_indexes where schemaname = 'public' and tablename = %s order by 1", (t,)
+            ).fetchall()
+            out[t] = (tuple(cols), tuple(i[0] for i in indexes))
+        return out
+
+
+def run_sql(db, *statements: str) -> None:
+    """Statements sent one by one, each in its own transaction (psycopg, autocommit)."""
+    with db.connect() as conn:
+        for s in statements:
+            conn.execute(s)
+
+
+def pgbench_empty(db) -> None:
+    """pgbench's tables with their keys (pgbench_history's too), and no rows yet."""
+    subprocess.run([str(pg_bindir() / "pgbench"), "-i", "-q", "-I", "dtp", "-n", db.connstr], check=True, capture_output=True)
+    run_sql(db, "alter table pgbench_history add column hid bigserial primary key")
+
+
+def test_ddl_on_the_root_reaches_the_leaf_under_pgbench(replica, tmp_path: Path) -> None:
+    r = replica
+    pgbench_empty(r.root)
+    r.cli("root", "create-root", "root")
+    r.cli("root", "add-table", *PGBENCH_TABLES)
+    said = r.cli("root", "auto-ddl", "on", "--add-new-tables").stdout
+    assert "on, new tables in the set's schemas added" in said, said
+    r.cli("leaf", "create-leaf", "leaf1", "--provider", r.root.connstr)
+    r.cli("leaf", "add-table", "--all", "--create-full", "--expect-sync")  # both empty
+    r.start_ticker()
+    r.start_worker()
+    # pgbench's rows (TRUNCATE and COPY), through the queue
+    subprocess.run([str(pg_bindir() / "pgbench"), "-i", "-q", "-I", "g", "-n", r.root.connstr], check=True, capture_output=True)
+    load = pgbench(r.root, "-c", "2", "-j", "2", "-T", "10", "-R", "150")
+    time.sleep(1)
+    run_sql(r.root, "alter table pgbench_accounts add column note text not null default 'none'")
+    run_sql(r.root, "create index concurrently history_aid on pgbench_history (aid)")
+    with r.root.connect(autocommit=False) as conn:  # a new table and its rows, one transaction
+        conn.execute("create table branch_notes (bid int primary key, note text, at int default 7)")
+        conn.execute("insert into branch_notes (bid, note) select bid, 'first' from pgbench_branches")
+        conn.commit()
+    run_sql(
+        r.root,
+        "create table scratch (id int primary key, v text)",
+        "insert into scratch select i, 'x' from generate_series(1, 50) i",
+        "update pgbench_accounts set note = 'touched' where aid % 50 = 0",
+        "create index on pgbench_accounts (note)",
+    )
+    script = tmp_path / "tellers.sql"  # `execute` still works, and runs once everywhere
+    script.write_text("alter table pgbench_tellers add column remark text;\n")
+    r.cli("root", "execute", str(script))
+    time.sleep(1)
+    run_sql(r.root, "update branch_notes set note = 'second' where bid = 1", "drop table scratch")
+    assert load.wait(timeout=90) == 0, load.stderr.read()  # type: ignore[union-attr]
+    r.wait_sync()
+
+    tables = (*PGBENCH_TABLES, "branch_notes")
+    assert schema_of(r.leaf, *tables) == schema_of(r.root, *tables)
+    accounts_schema = schema_of(r.root, "pgbench_accounts")["pgbench_accounts"]
+    assert any(c[0] == "note" for c in accounts_schema[0]) and any("(note)" in i for i in accounts_schema[1])
+    assert any("history_aid" in i for i in schema_of(r.leaf, "pgbench_history")["pgbench_history"][1])
+    r.assert_equal(*tables)
+    assert table_checksum(r.leaf, "branch_notes")[0] == 1
+    assert r.leaf.scalar("select count(*) from pgbench_accounts where note = 'touched'") > 0
+    for db in (r.root, r.leaf):
+        assert db.scalar("select to_regclass('scratch') is null"), "the dropped table is still there"
+    assert "scratch" not in r.cli("root", "tables").stdout
+    leaf_tables = r.cli("leaf", "tables").stdout.split()
+    assert leaf_tables[leaf_tables.index("public.branch_notes") + 1] == "ok" and "public.scratch" not in leaf_tables
+    log = r.log()
+    assert "executing auto-ddl ALTER TABLE public.pgbench_accounts" in log
+    assert log.count("executing tellers.sql") == 1
