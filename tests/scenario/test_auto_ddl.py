@@ -13,8 +13,8 @@ from pathlib import Path
 
 import psycopg
 from conftest import table_checksum
-from test_replication import PGBENCH_TABLES, pgbench, pgbench_init
-from test_two_way import Master, TwoWaySet, make_tables
+from test_replication import PGBENCH_TABLES, pgbench
+from test_two_way import Master, TwoWaySet, make_tables, two_way  # noqa: F401 (a fixture)
 
 from pgcascade.dev.localcluster import pg_bindir, wait_until
 
@@ -30,7 +30,8 @@ def schema_of(db, *tables: str) -> dict[str, tuple]:
                 (t,),
             ).fetchall()
             indexes = conn.execute(
-                "select indexdef from pg_indexes where schemaname = 'public' and tablename = %s order by 1", (t,)
+                "select indexdef from pg_indexes where schemaname = 'public' and tablename = %s order by 1",
+                (t,),
             ).fetchall()
             out[t] = (tuple(cols), tuple(i[0] for i in indexes))
         return out
@@ -45,7 +46,11 @@ def run_sql(db, *statements: str) -> None:
 
 def pgbench_empty(db) -> None:
     """pgbench's tables with their keys (pgbench_history's too), and no rows yet."""
-    subprocess.run([str(pg_bindir() / "pgbench"), "-i", "-q", "-I", "dtp", "-n", db.connstr], check=True, capture_output=True)
+    subprocess.run(
+        [str(pg_bindir() / "pgbench"), "-i", "-q", "-I", "dtp", "-n", db.connstr],
+        check=True,
+        capture_output=True,
+    )
     run_sql(db, "alter table pgbench_history add column hid bigserial primary key")
 
 
@@ -61,7 +66,11 @@ def test_ddl_on_the_root_reaches_the_leaf_under_pgbench(replica, tmp_path: Path)
     r.start_ticker()
     r.start_worker()
     # pgbench's rows (TRUNCATE and COPY), through the queue
-    subprocess.run([str(pg_bindir() / "pgbench"), "-i", "-q", "-I", "g", "-n", r.root.connstr], check=True, capture_output=True)
+    subprocess.run(
+        [str(pg_bindir() / "pgbench"), "-i", "-q", "-I", "g", "-n", r.root.connstr],
+        check=True,
+        capture_output=True,
+    )
     load = pgbench(r.root, "-c", "2", "-j", "2", "-T", "10", "-R", "150")
     time.sleep(1)
     run_sql(r.root, "alter table pgbench_accounts add column note text not null default 'none'")
@@ -97,7 +106,99 @@ def test_ddl_on_the_root_reaches_the_leaf_under_pgbench(replica, tmp_path: Path)
         assert db.scalar("select to_regclass('scratch') is null"), "the dropped table is still there"
     assert "scratch" not in r.cli("root", "tables").stdout
     leaf_tables = r.cli("leaf", "tables").stdout.split()
-    assert leaf_tables[leaf_tables.index("public.branch_notes") + 1] == "ok" and "public.scratch" not in leaf_tables
+    assert (
+        leaf_tables[leaf_tables.index("public.branch_notes") + 1] == "ok"
+        and "public.scratch" not in leaf_tables
+    )
     log = r.log()
     assert "executing auto-ddl ALTER TABLE public.pgbench_accounts" in log
     assert log.count("executing tellers.sql") == 1
+
+
+def test_ddl_on_one_master_reaches_the_other_under_writes(two_way: TwoWaySet, make_db) -> None:
+    """Both masters write the same accounts (and, once they have it, a table made by DDL) while
+    DDL runs on a; a's column added with a default meets b's changes made before b had it."""
+    a = two_way.add_master("a", make_db("a"))
+    b = two_way.add_master("b", make_db("b"))
+    for m in (a, b):
+        make_tables(m, "accounts")
+        m.cli("add-table", "accounts")
+    two_way.connect_all()
+    for m in (a, b):
+        m.cli("auto-ddl", "on", "--add-new-tables")
+    a.execute("insert into accounts select i, 0, null from generate_series(1, 100) i")
+    two_way.start()
+    two_way.wait_converged("accounts")
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    threads = [
+        threading.Thread(target=write_accounts, args=(m, i, stop, errors)) for i, m in enumerate((a, b))
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)
+    run_sql(a.db, "alter table accounts add column flag int not null default 3")
+    run_sql(a.db, "create index accounts_balance on accounts (balance)")
+    run_sql(
+        a.db,
+        "create table notes (id int primary key, account int, body text)",
+        "insert into notes select i, i, 'from a' from generate_series(1, 20) i",
+        "create table scratch (id int primary key)",
+        "insert into scratch values (1), (2)",
+    )
+    wait_until(
+        lambda: (
+            b.db.scalar("select to_regclass('notes') is not null")
+            and b.db.scalar("select count(*) from notes") == 20
+        ),
+        60,
+        what="notes and its rows on b",
+    )
+    run_sql(
+        b.db, "update notes set body = 'from b' where id % 2 = 0", "insert into notes values (100, 1, 'b')"
+    )
+    run_sql(a.db, "drop table scratch")
+    time.sleep(1.5)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    two_way.wait_converged("accounts", "notes")
+    assert schema_of(a.db, "accounts", "notes") == schema_of(b.db, "accounts", "notes")
+    assert "accounts_balance" in str(schema_of(b.db, "accounts"))
+    assert a.db.scalar("select count(*) from notes where body = 'from b' or id = 100") == 11
+    assert a.db.scalar("select count(*) from accounts where flag <> 3") > 0, "no write set flag"
+    for m in (a, b):
+        assert m.db.scalar("select to_regclass('scratch') is null")
+        listed = m.cli("tables").stdout
+        assert "public.notes  key: id" in listed and "scratch" not in listed, listed
+
+
+def write_accounts(m: Master, seed: int, stop: threading.Event, errors: list[BaseException]) -> None:
+    """Update random accounts (their flag too once this master has the column) until `stop`."""
+    rnd = random.Random(seed)
+    flag = False
+    try:
+        with m.db.connect() as conn:
+            while not stop.is_set():
+                aid, delta = rnd.randint(1, 100), rnd.randint(-50, 50)
+                flag = flag or bool(
+                    conn.execute(
+                        "select 1 from pg_attribute where attrelid = 'accounts'::regclass and attname = 'flag'"
+                    ).fetchone()
+                )
+                # a deadlock against the peer's apply rolls one back: an application retries
+                with contextlib.suppress(psycopg.errors.DeadlockDetected):
+                    if flag:
+                        conn.execute(
+                            "update accounts set balance = balance + %s, note = %s, flag = %s where id = %s",
+                            (delta, m.name, rnd.randint(0, 9), aid),
+                        )
+                    else:
+                        conn.execute(
+                            "update accounts set balance = balance + %s, note = %s where id = %s",
+                            (delta, m.name, aid),
+                        )
+                time.sleep(0.005)
+    except psycopg.Error as e:
+        errors.append(e)

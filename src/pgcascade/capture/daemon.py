@@ -56,7 +56,7 @@ from pgcascade.core.daemon import Daemon
 from pgcascade.core.daemonlock import DaemonRole
 from pgcascade.core.errors import RuntimeFailure, UserError, redact
 from pgcascade.core.hooks import pause_point
-from pgcascade.core.pgconn import one, scalar
+from pgcascade.core.pgconn import one
 from pgcascade.pgq import node as nodes
 
 log = logging.getLogger("pgcascade.capture")
@@ -354,14 +354,15 @@ class WalCapture(Daemon):
             (flags,) = r.unpack(">b")
             cols.append((flags, r.cstring(), *r.unpack(">Ii")))
         assert self.writer is not None
-        canonical, casts = one(
+        names = [c[1] for c in cols]
+        # from the message, not the table: it may have been dropped or changed since (DDL)
+        canonical, casts, image = one(
             self.writer,
             "select format('%%I.%%I', %s::text, %s::text),"
             " array(select format_type(t, nullif(m, -1)) from unnest(%s::oid[], %s::int4[]) with ordinality u(t, m, o)"
-            "       order by o)",
-            (nsp, name, [c[2] for c in cols], [c[3] for c in cols]),
+            "       order by o), pgcascade.json_image_expr('r', %s::text[], %s::oid[])",
+            (nsp, name, [c[2] for c in cols], [c[3] for c in cols], names, [c[2] for c in cols]),
         )
-        names = [c[1] for c in cols]
         if canonical not in self.keys:  # a table added since: read the keys again
             self.keys = set_tables.set_tables(self.writer, self.queue)
         keys = self.keys.get(canonical)
@@ -370,7 +371,7 @@ class WalCapture(Daemon):
             key_idx = [i for i, c in enumerate(cols) if c[0] & 1]
         if relid in self.rels and self.buf.get(relid):
             self.flush()  # rows buffered under the old definition go out with it
-        self.rels[relid] = Relation(relid, canonical, names, casts, key_idx)
+        self.rels[relid] = Relation(relid, canonical, names, casts, key_idx, image=image)
 
     def on_update(self, r: Reader, size: int) -> None:
         (relid,) = r.unpack(">I")
@@ -449,7 +450,6 @@ class WalCapture(Daemon):
         # again (its input function: the exact inverse of the output pgoutput used), and
         # the image is the capture trigger's (row_to_json, JSON nulls of json columns marked)
         assert self.writer is not None
-        image = scalar(self.writer, "select pgcascade.json_image_expr('r', %s::regclass)", (rel.canonical,))
         cols = sql.SQL(", ").join(
             sql.SQL("(x.v->>{})::{} as {}").format(sql.Literal(i), sql.SQL(cast), sql.Identifier(name))
             for i, (name, cast) in enumerate(zip(rel.names, rel.casts, strict=True))
@@ -466,7 +466,10 @@ class WalCapture(Daemon):
             " lateral (select {cols}) r"
             " where q.queue_name = {queue} order by x.n"
         ).format(
-            image=sql.SQL(image), table=sql.Literal(rel.canonical), cols=cols, queue=sql.Literal(self.queue)
+            image=sql.SQL(rel.image),
+            table=sql.Literal(rel.canonical),
+            cols=cols,
+            queue=sql.Literal(self.queue),
         )
 
     def insert_event(

@@ -50,6 +50,9 @@ class Relation:
     casts: list[str]  # format_type() of each column
     key_idx: list[int]
     insert_sql: bytes | None = field(default=None, repr=False)
+    image: str = field(
+        default="row_to_json(r.*)::text", repr=False
+    )  # of a row `r` of it, as capture writes it
 
 
 U16 = struct.Struct(">H")

@@ -5,7 +5,8 @@ psycopg loads dates, timestamps and intervals from their text, which it can read
 DateStyle ISO and IntervalStyle postgres; a database or role may default to others ('SQL, DMY',
 'sql_standard').  The startup options set both for our sessions, overriding those defaults,
 and are added to any `options` the connection string already has.  Values themselves never
-depend on them: capture and the copy fix their own output settings.
+depend on them: capture and the copy fix their own output settings.  They also set
+`pgcascade.auto_ddl = off`: the DDL pgcascade runs itself is never captured by auto-ddl.
 
 A link that dies without a word (a partition, a firewall that forgot the connection, a host
 that lost power) leaves a half-open socket: a process waiting for a reply waits until TCP

@@ -3,7 +3,8 @@
 The schema lives in versioned files shipped with the package:
 
 - `sql/migrations/NNNN_name.sql` change tables and types.  Each runs once, in order, and is
-  recorded in `pgcascade.schema_version`; the schema version is the highest one applied.
+  recorded in `pgcascade.schema_version`; the schema version is the highest one applied.  One
+  that is not recorded runs even when a higher one is (migrations are numbered per feature).
 - `sql/pgq`, `sql/capture`, `sql/replica` hold the server-side functions of each role as
   `CREATE OR REPLACE`; they are applied again on every install, so an upgrade always leaves the
   functions of this release.  Their number prefixes order them across the directories (a SQL

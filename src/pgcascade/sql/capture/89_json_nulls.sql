@@ -38,17 +38,30 @@ language sql stable as $$
                      || to_json(array_remove(i_cols, null))::text || '}' end
 $$;
 
--- pgcascade.json_image_expr(alias, table) -> the SQL expression of the JSON image of row
--- `alias` of `table`, as capture writes it (triggers and logical capture alike).
-create or replace function pgcascade.json_image_expr(i_alias text, i_table regclass) returns text
+-- pgcascade.json_image_expr(alias, columns, types) -> the SQL expression of the JSON image of row
+-- `alias` with these columns of these types, as capture writes it (triggers and logical capture
+-- alike).  From the columns, not a table: the capture daemon may read rows of a table that DDL
+-- has dropped or changed since.
+create or replace function pgcascade.json_image_expr(i_alias text, i_cols text[], i_types oid[]) returns text
 language sql stable as $$
     select case when count(*) = 0 then format('row_to_json(%s.*)::text', i_alias)
                 else format('pgcascade.mark_json_nulls(row_to_json(%s.*)::text, array[%s])', i_alias,
                             string_agg(format('case when %s(%s.%I::%s) = ''null'' then %L end',
                                               case when j.base = 'jsonb'::regtype then 'jsonb_typeof' else 'json_typeof' end,
-                                              i_alias, j.col, j.base, j.col), ', '))
+                                              i_alias, j.col, j.base, j.col), ', ' order by j.n))
            end
-      from pgcascade.json_columns(i_table) j
+      from (select c.col, pgcascade.base_type(c.t) as base, c.n
+              from unnest(i_cols, i_types) with ordinality c(col, t, n)) j
+     where j.base in ('json'::regtype, 'jsonb'::regtype)
+$$;
+
+-- pgcascade.json_image_expr(alias, table) -> the same, of a row of `table`.
+create or replace function pgcascade.json_image_expr(i_alias text, i_table regclass) returns text
+language sql stable as $$
+    select pgcascade.json_image_expr(i_alias, array_agg(a.attname::text order by a.attnum),
+                                     array_agg(a.atttypid order by a.attnum))
+      from pg_attribute a
+     where a.attrelid = i_table and a.attnum > 0 and not a.attisdropped
 $$;
 
 -- pgcascade.event_row(null::T, image) -> the row of type T the JSON image holds, with JSON
