@@ -5,7 +5,8 @@ the root (sql/capture/96_auto_ddl.sql) carries a description in ev_extra1 - the 
 ran under, the set tables it changes, the tables it creates or drops - so each node runs what
 concerns it, at the same point of the stream:
 
-- a subscriber runs the statements that change tables it replicates under their own names, and
+- a subscriber runs the statements that change tables it replicates whole under their own names
+  (not into another table, not a column list of it), and
   the CREATE TABLE of a new set table when it took the set's tables with `add-table --all`
   (the table is then replicated here in state ok: it is empty on both sides at this point; one
   that was here already is copied); a DROP TABLE drops the set tables it holds and forgets them;
@@ -129,19 +130,18 @@ class DdlReplay:
         """The statement as this subscriber runs it, or None: the tables it changes are not
         replicated here under their own names (or, for a new table, this node does not take
         the set's new tables)."""
-        elsewhere = [t for t in ddl.tables + ddl.dropped if t in held and held[t].dest_table != t]
-        if elsewhere:
+        # a table applied into another, or a column list of it only: this node's own shape of it
+        own_shape = {t for t, st in held.items() if st.dest_table != t or st.column_list is not None}
+        for t in own_shape.intersection(ddl.tables + ddl.dropped):
             log.warning(
-                "%s: replicated here into %s: DDL of the root not run",
-                ddl.label(),
-                held[elsewhere[0]].dest_table,
+                "%s: %s is replicated here as %s: DDL of the root not run", ddl.label(), t, held[t].dest_table
             )
         if ddl.dropped:
-            mine = [t for t in ddl.dropped if t in held and held[t].dest_table == t]
+            mine = [t for t in ddl.dropped if t in held and t not in own_shape]
             if not mine:
                 return None
             return f"drop table {', '.join(mine)}{' cascade' if ddl.cascade else ''}"
-        if any(t in held and held[t].dest_table == t for t in ddl.tables):
+        if any(t in held and t not in own_shape for t in ddl.tables):
             return statement
         return statement if ddl.created and self.node.all_tables else None
 

@@ -125,9 +125,9 @@ begin
 end $$;
 
 -- pgcascade.ddl_local_actions(tokens) -> of an ALTER TABLE statement, how many of its actions
--- keep to this node (owner, triggers, rules, row level security, tablespace), and how many
--- actions it has.  Such actions name roles, triggers and tablespaces of this node: they are
--- not replicated.
+-- keep to this node (owner, triggers, rules, row level security, tablespace, partitions), and
+-- how many actions it has.  Such actions name roles, triggers, tablespaces of this node, or its
+-- own partitions (a subscriber may partition a table another way): they are not replicated.
 create or replace function pgcascade.ddl_local_actions(i_toks text[], out local_actions int, out actions int)
 language plpgsql immutable as $$
 declare
@@ -161,7 +161,8 @@ begin
                    or (a[1] in ('enable', 'disable') and (a[2] in ('trigger', 'rule', 'row')
                                                           or (a[2] in ('always', 'replica') and a[3] in ('trigger', 'rule'))))
                    or (a[1] = 'force' and a[2] = 'row') or (a[1] = 'no' and a[2] = 'force')
-                   or (a[1] = 'set' and a[2] = 'tablespace') then
+                   or (a[1] = 'set' and a[2] = 'tablespace')
+                   or (a[1] in ('attach', 'detach') and a[2] = 'partition') then
                     local_actions := local_actions + 1;
                 end if;
             end if;
@@ -358,7 +359,7 @@ end $$;
 
 -- pgcascade.ddl_table_dropped(queue, table, oid) -> void: a set table was dropped (by the origin's
 -- DROP TABLE, or a peer's replayed here): it leaves the set and every peer subscription, its
--- capture functions and row versions go, and the table list event.
+-- capture functions, row versions and TRUNCATE tombstone go, and the table list event.
 create or replace function pgcascade.ddl_table_dropped(i_queue text, i_table text, i_oid oid)
 returns void
 language plpgsql as $$
@@ -369,6 +370,7 @@ begin
     delete from pgcascade.subscriber_table s using pgcascade.node p
      where p.peer_of = i_queue and s.queue_name = p.queue_name and s.table_name = i_table;
     delete from pgcascade.row_version where table_name = i_table;
+    delete from pgcascade.table_truncate where table_name = i_table;
     foreach op in array array['ins', 'upd', 'del', 'trunc'] loop
         execute format('drop function if exists pgcascade.%I()', 'capture_' || i_oid || '_' || op);
     end loop;
@@ -442,7 +444,7 @@ begin
 end $$;
 
 -- pgcascade.ddl_end(tag, search_path): ddl_command_end.  The set tables the command changed
--- (an index, a comment, a partition of theirs included) are checked and the statement queued;
+-- (their indexes and comments included) are checked and the statement queued;
 -- with --add-new-tables, a table created in a schema of the set's tables joins the set.
 create or replace function pgcascade.ddl_end(i_tag text, i_path name[]) returns void
 language plpgsql security definer set search_path = pg_catalog, pg_temp as $$
@@ -478,9 +480,7 @@ begin
             when cmd.classid = 'pg_class'::regclass and cmd.object_type = 'index'
                 then (select indrelid from pg_index where indexrelid = cmd.objid)
             when cmd.classid = 'pg_class'::regclass and cmd.object_type in ('table', 'table column')
-                then coalesce((select i.inhparent from pg_inherits i join pg_class c on c.oid = i.inhrelid
-                                where i.inhrelid = cmd.objid and c.relispartition
-                                  and i_tag in ('CREATE TABLE', 'CREATE TABLE AS')), cmd.objid)
+                then cmd.objid
             when cmd.classid = 'pg_constraint'::regclass
                 then (select conrelid from pg_constraint where oid = cmd.objid) end;
         continue when v_rel is null;
@@ -515,13 +515,15 @@ begin
                 perform pgcascade.ddl_quiet(v_prev);
             end if;
         end loop;
-        -- a new table in a schema of the set's tables, with --add-new-tables
+        -- a new table in a schema of the set's tables, with --add-new-tables (not a partition:
+        -- partitions are each node's own, the root's capture takes them from its maintenance)
         continue when i_tag not in ('CREATE TABLE', 'CREATE TABLE AS', 'SELECT INTO') or v_rel = any(v_done)
                       or cmd.objid <> v_rel;
         for q in select distinct a.queue_name from pgcascade.auto_ddl_tables() a
                    join pg_class s on s.oid = a.rel
                    join pg_class c on c.oid = cmd.objid and c.relnamespace = s.relnamespace
-                  where a.add_new_tables and c.relpersistence = 'p' and c.relkind in ('r', 'p') loop
+                  where a.add_new_tables and c.relpersistence = 'p' and c.relkind in ('r', 'p')
+                    and not c.relispartition loop
             v_name := cmd.object_identity;
             if i_tag <> 'CREATE TABLE' then
                 perform pgcascade.ddl_refuse(
