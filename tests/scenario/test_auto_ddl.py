@@ -54,16 +54,23 @@ def pgbench_empty(db) -> None:
     run_sql(db, "alter table pgbench_history add column hid bigserial primary key")
 
 
-def test_ddl_on_the_root_reaches_the_leaf_under_pgbench(replica, tmp_path: Path) -> None:
+def test_ddl_on_the_root_reaches_branch_and_leaf_under_pgbench(replica, make_db, tmp_path: Path) -> None:
+    """root -> branch -> leaf: the branch carries the root's DDL events and runs them on its own
+    tables (never capturing them again), the leaf under it runs them once."""
     r = replica
+    branch = make_db("b")
+    r.ini("branch", branch)
     pgbench_empty(r.root)
     r.cli("root", "create-root", "root")
     r.cli("root", "add-table", *PGBENCH_TABLES)
     said = r.cli("root", "auto-ddl", "on", "--add-new-tables").stdout
     assert "on, new tables in the set's schemas added" in said, said
-    r.cli("leaf", "create-leaf", "leaf1", "--provider", r.root.connstr)
-    r.cli("leaf", "add-table", "--all", "--create-full", "--expect-sync")  # both empty
+    r.cli("branch", "create-branch", "branch", "--provider", r.root.connstr)
+    r.cli("leaf", "create-leaf", "leaf1", "--provider", branch.connstr)
+    for node in ("branch", "leaf"):
+        r.cli(node, "add-table", "--all", "--create-full", "--expect-sync")  # all empty
     r.start_ticker()
+    r.daemons.start(str(tmp_path / "branch.ini"), "worker")
     r.start_worker()
     # pgbench's rows (TRUNCATE and COPY), through the queue
     subprocess.run(
@@ -92,26 +99,35 @@ def test_ddl_on_the_root_reaches_the_leaf_under_pgbench(replica, tmp_path: Path)
     time.sleep(1)
     run_sql(r.root, "update branch_notes set note = 'second' where bid = 1", "drop table scratch")
     assert load.wait(timeout=90) == 0, load.stderr.read()  # type: ignore[union-attr]
+    r.cli("branch", "wait-sync", "--timeout", "120", timeout=150)
     r.wait_sync()
 
     tables = (*PGBENCH_TABLES, "branch_notes")
-    assert schema_of(r.leaf, *tables) == schema_of(r.root, *tables)
+    for node in (branch, r.leaf):
+        assert schema_of(node, *tables) == schema_of(r.root, *tables)
+        for t in tables:
+            assert table_checksum(node, t) == table_checksum(r.root, t), t
+        assert node.scalar("select to_regclass('scratch') is null"), "the dropped table is still there"
     accounts_schema = schema_of(r.root, "pgbench_accounts")["pgbench_accounts"]
     assert any(c[0] == "note" for c in accounts_schema[0]) and any("(note)" in i for i in accounts_schema[1])
     assert any("history_aid" in i for i in schema_of(r.leaf, "pgbench_history")["pgbench_history"][1])
-    r.assert_equal(*tables)
     assert table_checksum(r.leaf, "branch_notes")[0] == 1
     assert r.leaf.scalar("select count(*) from pgbench_accounts where note = 'touched'") > 0
-    for db in (r.root, r.leaf):
-        assert db.scalar("select to_regclass('scratch') is null"), "the dropped table is still there"
+    assert r.root.scalar("select to_regclass('scratch') is null")
     assert "scratch" not in r.cli("root", "tables").stdout
     leaf_tables = r.cli("leaf", "tables").stdout.split()
     assert (
         leaf_tables[leaf_tables.index("public.branch_notes") + 1] == "ok"
         and "public.scratch" not in leaf_tables
     )
+    # the branch carried each statement once: it captured none of them again
+    twice = branch.scalar(
+        "select count(*) from (select ev_data from pgcascade.event where ev_type = 'EXECUTE'"
+        " group by ev_data having count(*) > 1) d"
+    )
+    assert twice == 0 and branch.scalar("select count(*) from pgcascade.event where ev_type = 'EXECUTE'") >= 6
     log = r.log()
-    assert "executing auto-ddl ALTER TABLE public.pgbench_accounts" in log
+    assert log.count("executing auto-ddl ALTER TABLE public.pgbench_accounts") == 1
     assert log.count("executing tellers.sql") == 1
 
 
