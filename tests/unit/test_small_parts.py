@@ -192,7 +192,7 @@ def test_every_connection_notices_a_dead_link_with_the_configs_tcp_settings(tmp_
         # the server's end too, before the string's own options (a later -c wins); ours last
         assert params["options"] == (
             "-c tcp_keepalives_idle=2 -c tcp_keepalives_interval=5 -c tcp_user_timeout=4500"
-            " -c work_mem=1MB -c datestyle=ISO,YMD -c intervalstyle=postgres"
+            " -c work_mem=1MB -c datestyle=ISO,YMD -c intervalstyle=postgres -c pgcascade.auto_ddl=off"
         )
     finally:
         pgconn.configure(pgconn.TcpSettings())
