@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import random
+import signal
 import subprocess
 import threading
 import time
 from pathlib import Path
 
 import psycopg
-from conftest import table_checksum
+from conftest import Daemons, run_in_process, table_checksum
 from test_replication import PGBENCH_TABLES, pgbench
 from test_two_way import Master, TwoWaySet, make_tables, two_way  # noqa: F401 (a fixture)
 
@@ -61,14 +62,19 @@ def test_ddl_on_the_root_reaches_branch_and_leaf_under_pgbench(replica, make_db,
     branch = make_db("b")
     r.ini("branch", branch)
     pgbench_empty(r.root)
-    r.cli("root", "create-root", "root")
-    r.cli("root", "add-table", *PGBENCH_TABLES)
+    setup = (
+        ("root", "create-root", "root"),
+        ("root", "add-table", *PGBENCH_TABLES),
+        ("branch", "create-branch", "branch", "--provider", r.root.connstr),
+        ("leaf", "create-leaf", "leaf1", "--provider", branch.connstr),
+        ("branch", "add-table", "--all", "--create-full", "--expect-sync"),  # all empty
+        ("leaf", "add-table", "--all", "--create-full", "--expect-sync"),
+    )
+    for node, *args in setup:
+        done = in_process(tmp_path / f"{node}.ini", *args)
+        assert done.returncode == 0, (args, done.stderr)
     said = r.cli("root", "auto-ddl", "on", "--add-new-tables").stdout
     assert "on, new tables in the set's schemas added" in said, said
-    r.cli("branch", "create-branch", "branch", "--provider", r.root.connstr)
-    r.cli("leaf", "create-leaf", "leaf1", "--provider", branch.connstr)
-    for node in ("branch", "leaf"):
-        r.cli(node, "add-table", "--all", "--create-full", "--expect-sync")  # all empty
     r.start_ticker()
     r.daemons.start(str(tmp_path / "branch.ini"), "worker")
     r.start_worker()
@@ -114,8 +120,8 @@ def test_ddl_on_the_root_reaches_branch_and_leaf_under_pgbench(replica, make_db,
     assert table_checksum(r.leaf, "branch_notes")[0] == 1
     assert r.leaf.scalar("select count(*) from pgbench_accounts where note = 'touched'") > 0
     assert r.root.scalar("select to_regclass('scratch') is null")
-    assert "scratch" not in r.cli("root", "tables").stdout
-    leaf_tables = r.cli("leaf", "tables").stdout.split()
+    assert "scratch" not in in_process(tmp_path / "root.ini", "tables").stdout
+    leaf_tables = in_process(tmp_path / "leaf.ini", "tables").stdout.split()
     assert (
         leaf_tables[leaf_tables.index("public.branch_notes") + 1] == "ok"
         and "public.scratch" not in leaf_tables
@@ -131,17 +137,17 @@ def test_ddl_on_the_root_reaches_branch_and_leaf_under_pgbench(replica, make_db,
     assert log.count("executing tellers.sql") == 1
 
 
-def test_ddl_on_one_master_reaches_the_other_under_writes(two_way: TwoWaySet, make_db) -> None:
-    """Both masters write the same accounts (and, once they have it, a table made by DDL) while
-    DDL runs on a; a's column added with a default meets b's changes made before b had it."""
-    a = two_way.add_master("a", make_db("a"))
-    b = two_way.add_master("b", make_db("b"))
-    for m in (a, b):
+def test_ddl_on_one_master_reaches_the_others_under_writes(two_way: TwoWaySet, make_db) -> None:
+    """Masters a and b write the same accounts while DDL runs on a: b's changes made before b has
+    a's new column reach a and c without it; c writes into a's new table before b has applied a's
+    DDL, and b applies c's changes only after it (its subscription to a paused meanwhile)."""
+    a, b, c = (two_way.add_master(n, make_db(n)) for n in ("a", "b", "c"))
+    for m in (a, b, c):
         make_tables(m, "accounts")
         m.cli("add-table", "accounts")
     two_way.connect_all()
-    for m in (a, b):
-        m.cli("auto-ddl", "on", "--add-new-tables")
+    for m in (a, b, c):
+        assert in_process(m.ini, "auto-ddl", "on", "--add-new-tables").returncode == 0
     a.execute("insert into accounts select i, 0, null from generate_series(1, 100) i")
     two_way.start()
     two_way.wait_converged("accounts")
@@ -152,7 +158,8 @@ def test_ddl_on_one_master_reaches_the_other_under_writes(two_way: TwoWaySet, ma
     ]
     for t in threads:
         t.start()
-    time.sleep(1.5)
+    time.sleep(1)
+    Daemons.kill(b.worker, signal.SIGINT)  # type: ignore[arg-type]  # b replays nothing for a while
     run_sql(a.db, "alter table accounts add column flag int not null default 3")
     run_sql(a.db, "create index accounts_balance on accounts (balance)")
     run_sql(
@@ -162,32 +169,58 @@ def test_ddl_on_one_master_reaches_the_other_under_writes(two_way: TwoWaySet, ma
         "create table scratch (id int primary key)",
         "insert into scratch values (1), (2)",
     )
+    wait_until(lambda: rows_of(c, "notes") == 20, 60, what="notes and its rows on c")
+    run_sql(c.db, "insert into notes values (200, 2, 'from c')")
+    c_tick = c.db.scalar("select pgcascade.ticker('tw_c')")  # a tick after that row
+    time.sleep(1)  # b's changes without flag reach a and c
+    b.execute("update pgcascade.node set paused = true where queue_name = 'tw_a'")
+    two_way.start("b")
     wait_until(
         lambda: (
-            b.db.scalar("select to_regclass('notes') is not null")
-            and b.db.scalar("select count(*) from notes") == 20
+            "follows DDL of master a" in (two_way.tmp / "b.log").read_text()
+            or b.db.scalar("select coalesce(last_tick, 0) from pgcascade.node where queue_name = 'tw_c'")
+            >= c_tick
         ),
         60,
-        what="notes and its rows on b",
+        what="b waiting for a's DDL, or past c's row",
     )
+    assert rows_of(b, "notes") is None
+    b.execute("update pgcascade.node set paused = false where queue_name = 'tw_a'")
+    wait_until(lambda: rows_of(b, "notes") == 21, 60, what="notes and its rows on b")
     run_sql(
         b.db, "update notes set body = 'from b' where id % 2 = 0", "insert into notes values (100, 1, 'b')"
     )
     run_sql(a.db, "drop table scratch")
-    time.sleep(1.5)
+    time.sleep(1)
     stop.set()
     for t in threads:
         t.join()
     assert not errors, errors
     two_way.wait_converged("accounts", "notes")
-    assert schema_of(a.db, "accounts", "notes") == schema_of(b.db, "accounts", "notes")
+    assert (
+        schema_of(a.db, "accounts", "notes")
+        == schema_of(b.db, "accounts", "notes")
+        == schema_of(c.db, "accounts", "notes")
+    )
     assert "accounts_balance" in str(schema_of(b.db, "accounts"))
-    assert a.db.scalar("select count(*) from notes where body = 'from b' or id = 100") == 11
+    assert a.db.scalar("select count(*) from notes where body = 'from b' or id in (100, 200)") == 12
     assert a.db.scalar("select count(*) from accounts where flag <> 3") > 0, "no write set flag"
-    for m in (a, b):
+    for m in (a, b, c):
         assert m.db.scalar("select to_regclass('scratch') is null")
-        listed = m.cli("tables").stdout
+        listed = in_process(m.ini, "tables").stdout
         assert "public.notes  key: id" in listed and "scratch" not in listed, listed
+
+
+def in_process(ini: Path, *args: str):
+    """A setup or read command, run in this process (each process costs seconds under load)."""
+    return run_in_process(str(ini), *args)
+
+
+def rows_of(m: Master, table: str) -> int | None:
+    """The table's rows on that master, None while it does not have the table."""
+    if not m.db.scalar("select to_regclass(%s) is not null", (table,)):
+        return None
+    return m.db.scalar(f"select count(*) from {table}")
 
 
 def write_accounts(m: Master, seed: int, stop: threading.Event, errors: list[BaseException]) -> None:

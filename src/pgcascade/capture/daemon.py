@@ -408,7 +408,8 @@ class WalCapture(Daemon):
             return
         self.flush()
         # a message a peer's apply wrote (a DDL passed on to the leaves) is tagged as its rows are
-        self.insert_event(ev["type"], ev.get("data"), ev.get("extra1"), ev.get("origin") or self.origin)
+        origin = ev.get("origin") or self.origin
+        self.insert_event(ev["type"], ev.get("data"), ev.get("extra1"), origin, ev.get("extra3"))
 
     # --- writing events ---
     def add_row(self, relid: int, op: str, vals: list[Value], size: int) -> None:
@@ -473,26 +474,23 @@ class WalCapture(Daemon):
         )
 
     def insert_event(
-        self, ev_type: str, data: str | None, extra1: str | None, origin: str | None = None
+        self,
+        ev_type: str,
+        data: str | None,
+        extra1: str | None,
+        origin: str | None = None,
+        extra3: str | None = None,
     ) -> None:
-        if origin is not None:  # a TRUNCATE, or a DDL, a peer's apply made
-            self.insert_rare_event(ev_type, data, extra1, origin)
-            return
+        """An event of the stream's own (TRUNCATE, a message), tagged with the master a peer's
+        apply made it for (and, for a DDL it passed on, that master's tick)."""
         assert self.writer is not None
         cur = self.writer.execute(
-            "insert into pgcascade.event (ev_id, ev_time, ev_part, ev_type, ev_data, ev_extra1)"
-            " select nextval(q.queue_event_seq), now(), q.queue_id * 16 + q.queue_cur_table, %s, %s, %s"
+            "insert into pgcascade.event (ev_id, ev_time, ev_part, ev_type, ev_data, ev_extra1, ev_rare)"
+            " select nextval(q.queue_event_seq), now(), q.queue_id * 16 + q.queue_cur_table, %s, %s, %s,"
+            " case when %s::text is not null then row(null, %s, %s, null, null)::pgcascade.event_rare end"
             " from pgcascade.queue q where q.queue_name = %s",
-            (ev_type, data, extra1, self.queue),
+            (ev_type, data, extra1, origin, extra3, origin, self.queue),
         )
         if cur.rowcount != 1:
             raise RuntimeFailure(f"queue {self.queue} does not exist any more")
-        self.events += 1
-
-    def insert_rare_event(self, ev_type: str, data: str | None, extra1: str | None, origin: str) -> None:
-        assert self.writer is not None
-        self.writer.execute(
-            "select pgcascade.insert_event(%s, %s, %s, %s, null, null, %s)",
-            (self.queue, ev_type, data, extra1, origin),
-        )
         self.events += 1

@@ -104,7 +104,7 @@ def stage_batch(
     batch_sql = batch.event_sql or q.batch_event_sql(prov, batch.batch_id)
     cols = sql.SQL(CARRY_COLUMNS if carry or peer else STAGE_COLUMNS)
     select = sql.SQL(PEER_SELECT.format(PEER_TIME[peer_logical])) if peer else cols
-    conditions: list[sql.Composable] = [sql.SQL("ev_extra4 is null")] if peer else []
+    conditions: list[sql.Composable] = [sql.SQL("(ev_extra4 is null or ev_type = 'EXECUTE')")] if peer else []
     if only_tables is not None:
         of_tables = sql.SQL("ev_extra1 = any({}::text[])").format(sql.Literal(only_tables))
         if peer:  # a peer's markers say what it had seen: its conflicts are judged by them

@@ -28,7 +28,7 @@ import psycopg
 from psycopg import sql
 
 from pgcascade.core import catalog
-from pgcascade.core.errors import db_error_line
+from pgcascade.core.errors import RuntimeFailure, db_error_line
 from pgcascade.core.pgconn import scalar
 from pgcascade.pgq import node as nodes
 from pgcascade.replica import state as states
@@ -106,8 +106,8 @@ class DdlReplay:
             a.after_ddl(sub)
         if peer is not None:  # on to the leaves under this master, tagged: not to its peers
             sub.execute(
-                "select pgcascade.emit_event(%s, 'EXECUTE', %s, %s, %s)",
-                (peer.own_queue, statement, extra1, peer.peer),
+                "select pgcascade.emit_event(%s, 'EXECUTE', %s, %s, %s, %s)",
+                (peer.own_queue, statement, extra1, peer.peer, peer.tick),
             )
         if ddl is None:
             return True
@@ -205,3 +205,29 @@ def run(
 
 def table_oid(sub: psycopg.Connection, table: str) -> int | None:
     return scalar(sub, sql.SQL("select to_regclass({})::oid").format(sql.Literal(table)))
+
+
+class PeerBehind(RuntimeFailure):
+    """A peer's batch waits until this master applied DDL of another master that it holds."""
+
+
+def await_origins(sub: psycopg.Connection, node: nodes.Node) -> None:
+    """A two-way peer's staged batch: the DDL the peer ran from other masters (passed on in its
+    queue, tagged, with the tick of the other master's queue that carried it) must have been run
+    here from that master first - the peer's changes after it may need it (rows of a table it
+    made, a column it added).  Else PeerBehind: the batch is rolled back and taken again soon.
+    Those events then leave the stage: this master runs each master's DDL from that master."""
+    staged = sub.execute(
+        "select ev_extra4, max(case when ev_extra3 ~ '^[0-9]+$' then ev_extra3::int8 end)"
+        " from pg_temp.pgcascade_stage where ev_type = 'EXECUTE' and ev_extra4 is not null group by 1"
+    ).fetchall()
+    for origin, tick in staged:
+        row = sub.execute(
+            "select coalesce(last_tick, 0) from pgcascade.node where peer_of = %s and provider_node = %s",
+            (node.peer_of, origin),
+        ).fetchone()
+        if tick is not None and row is not None and row[0] < tick:
+            raise PeerBehind(
+                f"waiting: its batch follows DDL of master {origin} (tick {tick}) not applied here yet (tick {row[0]})"
+            )
+    sub.execute("delete from pg_temp.pgcascade_stage where ev_type = 'EXECUTE' and ev_extra4 is not null")

@@ -58,7 +58,7 @@ from pgcascade.replica.apply import (
 )
 from pgcascade.replica.copies import CopyLauncher
 from pgcascade.replica.copy import BulkCopier
-from pgcascade.replica.ddl import DdlReplay
+from pgcascade.replica.ddl import DdlReplay, PeerBehind, await_origins
 from pgcascade.replica.delay import ApplyDelay
 from pgcascade.replica.parallel import ParallelApply, ahead_of, left_out
 from pgcascade.replica.state import Phase
@@ -259,6 +259,9 @@ class Worker(Daemon):
             try:
                 busy = w.work() or busy
                 w.backoff = 0.0
+            except PeerBehind as e:  # not an error: another master's DDL comes first
+                w.retry_at = time.monotonic() + 0.5
+                log.info("peer queue %s: %s", queue, e)
             except psycopg.OperationalError as e:
                 w.drop_connections()
                 w.fail(e, queue)
@@ -357,6 +360,8 @@ class Worker(Daemon):
                 peer_logical=self.prov_logical,
             )
             self.phases.mark("stage")
+        if peer is not None:
+            await_origins(sub, node)
         if node.combined_queue:
             self.drop_partition_truncates(sub)
         elif carry:

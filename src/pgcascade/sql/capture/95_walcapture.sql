@@ -101,19 +101,23 @@ begin
     end if;
 end $$;
 
--- pgcascade.emit_event(queue, type, data, extra1, origin) -> void: the same, for an event a
--- two-way master's apply passes on from peer `origin` to the leaves under it (tagged: its peers
--- take no tagged event).
-create or replace function pgcascade.emit_event(i_queue text, i_type text, i_data text, i_extra1 text, i_origin text)
+-- pgcascade.emit_event(queue, type, data, extra1, origin, origin_tick) -> void: the same, for a
+-- DDL a two-way master's apply passes on from peer `origin` to the leaves under it: tagged (its
+-- peers take no tagged event as a change) and with the tick of the origin's queue that carried
+-- it (ev_extra3): a peer that meets it in this master's queue first applies the origin up to
+-- there, since this master's changes after it may depend on it.
+drop function if exists pgcascade.emit_event(text, text, text, text, text);
+create or replace function pgcascade.emit_event(
+    i_queue text, i_type text, i_data text, i_extra1 text, i_origin text, i_origin_tick int8)
 returns void
 language plpgsql as $$
 begin
     if exists (select 1 from pgcascade.walcapture where queue_name = i_queue) then
         perform pg_logical_emit_message(true, 'pgcascade',
             json_build_object('queue', i_queue, 'type', i_type, 'data', i_data, 'extra1', i_extra1,
-                              'origin', i_origin)::text);
+                              'origin', i_origin, 'extra3', i_origin_tick::text)::text);
     else
-        perform pgcascade.insert_event(i_queue, i_type, i_data, i_extra1, null, null, i_origin);
+        perform pgcascade.insert_event(i_queue, i_type, i_data, i_extra1, null, i_origin_tick::text, i_origin);
     end if;
 end $$;
 
