@@ -553,6 +553,16 @@ def test_two_masters_with_logical_capture_converge_without_echo(two_way: TwoWayS
     assert tagged > 0, "the capture daemon did not tag what the peer's apply made"
     assert echo == 0, "a's capture sent b's insert on as a's own"
     assert two_way.rows("b", "t") == {200: (1, "after truncate")}
+    # auto-ddl: a's DDL travels as a WAL message in order with its rows; b passes it on tagged
+    a.cli("auto-ddl", "on")
+    with a.db.connect() as conn, conn.transaction():
+        conn.execute("alter table t add column x int not null default 5")
+        conn.execute("insert into t values (201, 1, 'x', 6)")
+    two_way.wait_converged("t")
+    assert b.db.scalar("select sum(x) from t") == 11
+    assert b.db.scalar(
+        "select count(*) from pgcascade.event where ev_type = 'EXECUTE' and (ev_rare).ev_extra4 = 'a'"
+    )
     # a table a holds with rows, added on b empty: copied from a, under a's replication origin
     make_tables(a, "u")
     a.execute("insert into u select i, i, 'a' from generate_series(1, 500) i")

@@ -80,6 +80,10 @@ class Node:
     apply_delay: timedelta | None = None  # a delayed leaf: the apply_delay its worker runs with
     all_tables: bool = False  # a subscriber that took the set's tables with add-table --all (and new ones)
 
+    def last_tick_past(self, tick: float) -> bool:
+        """Whether this node applied the tick (or one after it)."""
+        return (self.last_tick or 0) >= tick
+
     @property
     def is_peer(self) -> bool:
         return self.peer_of is not None

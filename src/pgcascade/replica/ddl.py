@@ -210,13 +210,22 @@ def table_oid(sub: psycopg.Connection, table: str) -> int | None:
 class PeerBehind(RuntimeFailure):
     """A peer's batch waits until this master applied DDL of another master that it holds."""
 
+    def __init__(self, message: str, batch_end: int):
+        super().__init__(message)
+        self.batch_end = batch_end  # until past it, the peer's batches go a tick at a time
 
-def await_origins(sub: psycopg.Connection, node: nodes.Node) -> None:
+
+def await_origins(sub: psycopg.Connection, node: nodes.Node, batch_end: int) -> None:
     """A two-way peer's staged batch: the DDL the peer ran from other masters (passed on in its
     queue, tagged, with the tick of the other master's queue that carried it) must have been run
     here from that master first - the peer's changes after it may need it (rows of a table it
     made, a column it added).  Else PeerBehind: the batch is rolled back and taken again soon.
-    Those events then leave the stage: this master runs each master's DDL from that master."""
+    Those events then leave the stage: this master runs each master's DDL from that master.
+
+    Until past the batch that waited, the peer's batches take a tick each (no merged catch-up):
+    two merged batches could each hold a DDL the other waits for (DDL on two masters while this
+    one was away), where single ticks cannot - a master passes a DDL on only after it applied
+    the ticks before it, so the tick one waits for always comes before the other's DDL."""
     staged = sub.execute(
         "select ev_extra4, max(case when ev_extra3 ~ '^[0-9]+$' then ev_extra3::int8 end)"
         " from pg_temp.pgcascade_stage where ev_type = 'EXECUTE' and ev_extra4 is not null group by 1"
@@ -228,6 +237,24 @@ def await_origins(sub: psycopg.Connection, node: nodes.Node) -> None:
         ).fetchone()
         if tick is not None and row is not None and row[0] < tick:
             raise PeerBehind(
-                f"waiting: its batch follows DDL of master {origin} (tick {tick}) not applied here yet (tick {row[0]})"
+                f"waiting: its batch follows DDL of master {origin} (tick {tick}) not applied here yet"
+                f" (tick {row[0]})",
+                batch_end,
             )
     sub.execute("delete from pg_temp.pgcascade_stage where ev_type = 'EXECUTE' and ev_extra4 is not null")
+
+
+def forget_tables_left(
+    conn: psycopg.Connection, queue: str, in_set: list[str], now_in_set: set[str]
+) -> list[str]:
+    """The tables the root removed from the set (a T event's list) stop being replicated here too
+    (the seed's rule) - those the provider does not have now either, so an old T event never
+    removes a table added back since; read as the batch left them (a DROP TABLE replayed)."""
+    gone = [
+        t.table_name
+        for t in subscriber.tables(conn, queue)
+        if t.table_name not in in_set and t.table_name not in now_in_set
+    ]
+    if gone:
+        subscriber.remove_tables(conn, queue, gone)
+    return gone

@@ -58,7 +58,7 @@ from pgcascade.replica.apply import (
 )
 from pgcascade.replica.copies import CopyLauncher
 from pgcascade.replica.copy import BulkCopier
-from pgcascade.replica.ddl import DdlReplay, PeerBehind, await_origins
+from pgcascade.replica.ddl import DdlReplay, PeerBehind, await_origins, forget_tables_left
 from pgcascade.replica.delay import ApplyDelay
 from pgcascade.replica.parallel import ParallelApply, ahead_of, left_out
 from pgcascade.replica.state import Phase
@@ -115,7 +115,7 @@ class Worker(Daemon):
         self.prov_logical = False  # the provider is a two-way peer with logical capture
         self.origin_session: psycopg.Connection | None = None  # runs under the peer's replication origin
         self.retry_at = 0.0  # a peer's worker after an error: not before then
-        self.backoff = 0.0
+        self.backoff = self.single_ticks_until = 0.0  # a peer waiting for DDL: a tick per batch until
         self.delay = ApplyDelay()  # a delayed leaf (apply_delay)
 
     def reload(self) -> None:
@@ -234,7 +234,9 @@ class Worker(Daemon):
             prov,
             self.queue,
             node.consumer,
-            self.cfg.worker.max_batch_events if node.role.may_merge_ticks else None,
+            self.cfg.worker.max_batch_events
+            if node.role.may_merge_ticks and node.last_tick_past(self.single_ticks_until)
+            else None,
             self.delay.limit(self.cfg, prov, node, cap),
         )
         if info.batch_id is not None:
@@ -259,8 +261,8 @@ class Worker(Daemon):
             try:
                 busy = w.work() or busy
                 w.backoff = 0.0
-            except PeerBehind as e:  # not an error: another master's DDL comes first
-                w.retry_at = time.monotonic() + 0.5
+            except PeerBehind as e:  # not an error: another master's DDL comes first; tick by tick
+                w.retry_at, w.single_ticks_until = time.monotonic() + 0.5, e.batch_end  # (no deadlock)
                 log.info("peer queue %s: %s", queue, e)
             except psycopg.OperationalError as e:
                 w.drop_connections()
@@ -361,7 +363,7 @@ class Worker(Daemon):
             )
             self.phases.mark("stage")
         if peer is not None:
-            await_origins(sub, node)
+            await_origins(sub, node, info.cur_tick_id)
         if node.combined_queue:
             self.drop_partition_truncates(sub)
         elif carry:
@@ -457,14 +459,9 @@ class Worker(Daemon):
     def drop_tables_left_the_set(
         self, sub: psycopg.Connection, prov: psycopg.Connection, in_set: list[str]
     ) -> None:
-        """The root removed tables from the set (a T event): unregister them here too (the seed's
-        rule) - those the provider does not have now either, so an old T event never removes a
-        table that was added back since."""
-        now_in_set = set(set_tables.set_tables(prov, self.queue))
-        held = subscriber.tables(sub, self.queue)  # as the batch left them (a DROP TABLE replayed)
-        gone = [t.table_name for t in held if t.table_name not in in_set and t.table_name not in now_in_set]
+        """The root removed tables from the set (a T event): unregister them here too."""
+        gone = forget_tables_left(sub, self.queue, in_set, set(set_tables.set_tables(prov, self.queue)))
         if gone:
-            subscriber.remove_tables(sub, self.queue, gone)
             self.applier_key = ()
             log.info("removed from the set by the root: %s", ", ".join(gone))
 
