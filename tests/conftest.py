@@ -288,7 +288,7 @@ TEXT_SETTINGS = (
 
 def table_checksum(db: Database, table: str) -> tuple[int, str | None]:
     """(rows, md5 of every row's text in key order): computed by PostgreSQL, not by pgcascade."""
-    return query_checksum(db, f"select * from {table}")
+    return query_checksum(db, f"select * from {table} t")  # t: a subquery needs an alias
 
 
 def query_checksum(db: Database, query: str) -> tuple[int, str | None]:
