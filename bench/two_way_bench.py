@@ -10,9 +10,10 @@ start equal.  Each system is set up as its users would:
 
   pgcascade   create-root on each master (queues tw_a, tw_b), add-table of the five tables,
               add-peer both ways (last-update-wins), add-seq pgbench_history_hid_seq (spread:
-              every 10th value per master); a ticker and a worker per master, the ticker
-              settings of bench/replication_bench.py.  `pgcascade_logical`: the same with
-              `create-root --capture=logical` and a capture daemon per master.
+              every 10th value per master); a ticker and a worker per master, every setting at
+              its shipped default (the same configuration for every figure).
+              `pgcascade_logical`: the same with `create-root --capture=logical` and a
+              capture daemon per master.
   pglogical   pglogical 2 (Debian postgresql-15-pglogical): a node per master, the five tables
               in the default set, a subscription each way with forward_origins = '{}' and no
               initial copy, pglogical.conflict_resolution = last_update_wins; the history
@@ -28,7 +29,9 @@ way is from the update's commit until the other master shows it (median, p95).  
 writers stop, each master writes a last heartbeat; time to converge is until each master
 shows the other's, and then every table is compared on both (md5 of all rows, by key):
 `equal` must be yes.  Conflicts: pgcascade's conflict log on both masters; pglogical's
-CONFLICT lines in both servers' logs (conflict_log_level = log).
+CONFLICT lines in both servers' logs (conflict_log_level = log).  The report ends with the goals
+of issue 25 for each pgcascade variant: throughput of both masters flat out >= 0.9x pglogical's,
+lag median at --rate (the slower direction) <= 2x pglogical's, every table equal after every run.
 
 Bucardo (Debian `bucardo`) is not measured: it needs a daemon of its own with a control
 database, Perl DBI drivers and a superuser plperlu install, which do not fit this run.
@@ -42,6 +45,7 @@ database, Perl DBI drivers and a superuser plperlu install, which do not fit thi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import re
@@ -60,8 +64,6 @@ import psycopg
 sys.path.insert(0, str(Path(__file__).parent))
 from replication_bench import (
     PGBENCH,
-    PGC_QUEUE,
-    PGC_TICKER,
     PGCASCADE,
     PROCS,
     ROOT,
@@ -151,9 +153,6 @@ class PgCascade(System):
             inis.append(ini)
             cli(ini, "create-root", name, *self.create_args)
             self.root_created(d, ini, name)
-            with m.conn(i) as conn:
-                for k, v in PGC_QUEUE.items():
-                    conn.execute("select pgcascade.set_queue_config(%s, %s, %s)", (f"tw_{name}", k, v))
             cli(ini, "add-table", *TABLES)
         for i in range(2):
             other = 1 - i
@@ -162,9 +161,8 @@ class PgCascade(System):
             cli(ini, "add-seq", HISTORY_SEQ)
         for i, name in enumerate(NAMES):
             tini = d / f"ticker_{name}.ini"
-            settings = "".join(f"{k} = {v}\n" for k, v in PGC_TICKER.items())
             tini.write_text(
-                f"[pgcascade]\njob_name = ticker_{name}\ndb = {m.dsn(i)}\n{settings}"
+                f"[pgcascade]\njob_name = ticker_{name}\ndb = {m.dsn(i)}\n"
                 f"logfile = {d}/ticker_{name}.log\npidfile = {d}/ticker_{name}.pid\n"
             )
             self.daemons.append(PROCS.start([*PGCASCADE, "ticker", str(tini)], d / f"ticker_{name}.out"))
@@ -186,10 +184,7 @@ class PgCascade(System):
         return total
 
     def notes(self) -> str:
-        return (
-            "pgcascade: trigger capture, ticker_period 3 ms and ticker_max_lag 3 ms (as in"
-            " bench/replication_bench.py), worker defaults, last-update-wins."
-        )
+        return "pgcascade: trigger capture, every setting at its shipped default (ticker, queue, worker), last-update-wins."
 
 
 class PgCascadeLogical(PgCascade):
@@ -267,6 +262,20 @@ class PgLogical(System):
             "pglogical 2: conflict_resolution last_update_wins, conflict_log_level log (conflicts"
             " counted from the server logs), apply and walsender defaults."
         )
+
+
+def machine() -> str:
+    cpu = "?"
+    with contextlib.suppress(OSError):
+        cpu = next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            "?",
+        )
+    return f"{os.cpu_count()} cores ({cpu}), PostgreSQL 15"
 
 
 def cli(ini: Path, *args: str) -> str:
@@ -444,6 +453,42 @@ def report(
                 ]
         lines.append("")
     lines += [f"- {s.notes()}" for s in systems]
+    lines += ["", *goals(results, systems)]
+    return lines
+
+
+THROUGHPUT_GOAL = 0.9  # both masters flat out, share of pglogical's (issue 25)
+LAG_GOAL = 2.0  # lag median at --rate, the slower direction, times pglogical's
+
+
+def goals(results: dict[str, dict[str, RunFigures]], systems: list[System]) -> list[str]:
+    """Issue 25's goals for each pgcascade variant against pglogical in this run."""
+    base = results.get("pglogical", {})
+    if not base.get("max") or not base.get("rate"):
+        return ["Goals: not judged (pglogical was not measured in this run)."]
+    lines = ["#### Goals (issue 25)", "", "| system | goal | measured | met |", "| --- | --- | --- | --- |"]
+    for s in systems:
+        ours = results.get(s.key, {})
+        if not s.key.startswith("pgcascade") or not ours.get("max") or not ours.get("rate"):
+            continue
+        tput = sum(ours["max"].tps) / sum(base["max"].tps)
+        lag = max(ours["rate"].lag[k][0] for k in ours["rate"].lag)
+        base_lag = max(base["rate"].lag[k][0] for k in base["rate"].lag)
+        equal = all(f.equal for f in ours.values())
+        for goal, measured, met in (
+            (
+                f"throughput flat out >= {THROUGHPUT_GOAL}x pglogical",
+                f"{tput:.2f}x ({sum(ours['max'].tps):.0f} vs {sum(base['max'].tps):.0f} tps)",
+                tput >= THROUGHPUT_GOAL,
+            ),
+            (
+                f"lag median <= {LAG_GOAL:g}x pglogical",
+                f"{lag / max(base_lag, 1e-6):.2f}x ({lag * 1000:.0f} vs {base_lag * 1000:.0f} ms)",
+                lag <= LAG_GOAL * base_lag,
+            ),
+            ("every table equal after each run", "yes" if equal else "NO", equal),
+        ):
+            lines.append(f"| {s.label} | {goal} | {measured} | {'met' if met else 'NOT met'} |")
     return lines
 
 
@@ -462,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     started = datetime.datetime.now().astimezone()
+    load_before = os.getloadavg()
     command = shlex.join(["python", sys.argv[0], *(argv or sys.argv[1:])])
     work = ROOT / "bench" / "work" / f"two-way-{started:%Y%m%d-%H%M%S}"
     work.mkdir(parents=True)
@@ -510,10 +556,13 @@ def main(argv: list[str] | None = None) -> int:
         PROCS.close()
         for c in clusters:
             c.stop()
+    load_after = os.getloadavg()
     header = [
         f"### Two-way run of {started:%Y-%m-%d %H:%M %Z}",
         "",
-        f"`{command}`; {source_info()}; {os.cpu_count()} cores, both clusters and every daemon on this machine.",
+        f"`{command}`; {source_info()}; {machine()}, both clusters and every daemon on this machine;"
+        f" load average {load_before[0]:.1f} before, {load_after[0]:.1f} after"
+        f" ({load_after[2]:.1f} over 15 minutes).",
     ]
     lines = report(results, systems, args, header)
     print("\n".join(lines))

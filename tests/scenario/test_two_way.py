@@ -282,7 +282,7 @@ def test_two_masters_resolve_each_conflict_kind_by_each_policy(two_way: TwoWaySe
 def test_three_masters_converge_under_concurrent_writes(two_way: TwoWaySet, make_db, tmp_path: Path) -> None:
     """Three masters write the same accounts at once; orders take their keys from a sequence
     spread by add-seq; DDL run with `execute` on one master reaches every master and, through
-    its master, a leaf under b; everything converges, the leaf included."""
+    its master, a leaf under b made while they write; everything converges, the leaf included."""
     names = ("a", "b", "c")
     masters = [two_way.add_master(n, make_db(n)) for n in names]
     for m in masters:
@@ -302,20 +302,6 @@ def test_three_masters_converge_under_concurrent_writes(two_way: TwoWaySet, make
     for m in masters:
         m.execute("insert into accounts select i, 0, null from generate_series(1, 200) i")
     two_way.start()
-    # a leaf under master b: it gets b's own changes and those b applied from a and c
-    leaf_db = make_db("a")
-    leaf_ini = tmp_path / "leaf.ini"
-    leaf_ini.write_text(
-        f"[pgcascade]\njob_name = leaf\ndb = {leaf_db.connstr}\nqueue_name = tw_b\n"
-        f"logfile = {tmp_path}/leaf.log\npidfile = {tmp_path}/leaf.pid\nloop_delay = 0.2\n"
-    )
-    for args in (
-        ("create-leaf", "leaf", "--provider", masters[1].db.connstr),
-        ("add-table", "accounts", "history", "orders", "--create"),
-    ):
-        r = run_cli(str(leaf_ini), *args)
-        assert r.returncode == 0, r.stderr
-    two_way.daemons.start(str(leaf_ini), "worker")
     stop = threading.Event()
     errors: list[BaseException] = []
 
@@ -358,7 +344,23 @@ def test_three_masters_converge_under_concurrent_writes(two_way: TwoWaySet, make
     threads = [threading.Thread(target=writer, args=(m, i)) for i, m in enumerate(masters)]
     for t in threads:
         t.start()
-    time.sleep(4)
+    time.sleep(2)
+    # a leaf under master b, made while the masters write: b has passed nothing of what it
+    # applies from a and c on (nobody read it); from the leaf's first batch on, it does
+    leaf_db = make_db("a")
+    leaf_ini = tmp_path / "leaf.ini"
+    leaf_ini.write_text(
+        f"[pgcascade]\njob_name = leaf\ndb = {leaf_db.connstr}\nqueue_name = tw_b\n"
+        f"logfile = {tmp_path}/leaf.log\npidfile = {tmp_path}/leaf.pid\nloop_delay = 0.2\n"
+    )
+    for args in (
+        ("create-leaf", "leaf", "--provider", masters[1].db.connstr),
+        ("add-table", "accounts", "history", "orders", "--create"),
+    ):
+        r = run_cli(str(leaf_ini), *args)
+        assert r.returncode == 0, r.stderr
+    two_way.daemons.start(str(leaf_ini), "worker")
+    time.sleep(2)
     script = tmp_path / "ddl.sql"
     script.write_text("alter table accounts add column flag int; create table notes (id int primary key);")
     masters[2].cli("execute", str(script))

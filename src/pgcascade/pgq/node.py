@@ -140,6 +140,14 @@ def require_node(conn: psycopg.Connection, queue_name: str) -> Node:
     return node
 
 
+def locking_node(conn: psycopg.Connection, queue_name: str) -> psycopg.Cursor[Node]:
+    """lock_node's query, its row left to fetch: in a pipeline, with other statements."""
+    cur = conn.cursor(row_factory=_node_row)
+    return cur.execute(
+        f"select {NODE_COLUMNS} from pgcascade.node where queue_name = %s for update", (queue_name,)
+    )
+
+
 def lock_node(conn: psycopg.Connection, queue_name: str, share: bool = False) -> Node:
     """The node row, locked until the transaction ends: a batch in flight is waited for, and
     the next one is kept out.  `share`: the lanes of one parallel apply, which only need the

@@ -34,6 +34,8 @@ class BatchInfo:
     cur_tick_event_seq: int | None
     prev_tick_event_seq: int
     event_sql: str | None = None  # the query of the batch's events (next_batch gives it)
+    # the later tick's snapshot, if next_batch's statement saw the tick (tick_snapshot if not)
+    cur_tick_snapshot: str | None = None
 
 
 # --- the SQL API, one call each -------------------------------------------------------------
@@ -100,12 +102,15 @@ def next_batch(
     max_tick: int | None = None,
 ) -> BatchInfo:
     """The consumer's next batch: several ticks at once up to about `max_events` events, never
-    past `max_tick` (next_batch_custom), with the query of its events (one round trip)."""
+    past `max_tick` (next_batch_custom), with the query of its events and the later tick's
+    snapshot (one round trip)."""
     with conn.cursor(row_factory=class_row(BatchInfo)) as cur:
         row = cur.execute(
             "select b.*, case when b.batch_id is not null then pgcascade.batch_event_sql(b.batch_id) end"
-            " as event_sql from pgcascade.next_batch_custom(%s, %s, %s, %s) b",
-            (queue, consumer, max_events, max_tick),
+            " as event_sql, (select t.tick_snapshot::text from pgcascade.tick t join pgcascade.queue q"
+            " on q.queue_id = t.tick_queue where q.queue_name = %s and t.tick_id = b.cur_tick_id)"
+            " as cur_tick_snapshot from pgcascade.next_batch_custom(%s, %s, %s, %s) b",
+            (queue, queue, consumer, max_events, max_tick),
         ).fetchone()
     assert row is not None
     return row

@@ -32,13 +32,12 @@ from pgcascade.core import catalog
 from pgcascade.core.errors import RuntimeFailure, db_error_line
 from pgcascade.core.hooks import pause_point
 from pgcascade.core.pgconn import scalar
-from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
 from pgcascade.pgq.queue import BatchInfo
-from pgcascade.replica import applysql
-from pgcascade.replica.conflicts import DEFAULT_POLICY
+from pgcascade.replica import applysql, peer_apply
+from pgcascade.replica.peer_apply import PEER_SEEN, PEER_SELECT, PEER_TIME, PeerBatch
 from pgcascade.replica.peer_truncate import apply_peer_truncate
-from pgcascade.replica.tables import SubscriberTable, peer_policies
+from pgcascade.replica.tables import SubscriberTable
 
 log = logging.getLogger("pgcascade.apply")
 
@@ -74,15 +73,6 @@ def ensure_stage(sub: psycopg.Connection) -> None:
     sub.execute(STAGE_DDL)
     if idle and sub.autocommit:
         _STAGED.add(sub)
-
-
-# a two-way peer's batch: the peer's own changes only (those its apply wrote for another master
-# carry that master in ev_extra4: that master sends them itself), and as ev_time each change's
-# commit time on the peer, which conflicts are resolved by (logical capture writes it as the
-# event's ev_time; a trigger's event has the commit time of its ev_txid)
-PEER_SEEN = "pgcascade.peer-seen"  # a master's marker: how far it had applied each other master
-PEER_SELECT = "ev_id, ev_txid, ev_type, ev_data, ev_extra1, {}, ev_extra2, ev_extra3, ev_extra4"
-PEER_TIME = {False: "coalesce(pgcascade.commit_time(ev_txid::text::xid8), ev_time)", True: "ev_time"}
 
 
 def stage_batch(
@@ -163,6 +153,8 @@ class TableApplier:
     row_filter: str | None = None  # add-table --where (filters.py)
     column_list: list[str] | None = None  # add-table --columns
     unique_at_provider: bool = False  # the provider's key is unique: update-then-insert is exact
+    # a two-way peer's apply statements, by (peer, this master, policy): replica/peer_apply.py
+    peer_sql: dict[tuple[str, str, str], bytes] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(
@@ -187,6 +179,7 @@ class TableApplier:
         self.set_based = self.event_format == "json" and (on_conflict or self.unique_at_provider)
         self.json_nulls = catalog.has_json_columns(sub, self.dest)
         self.set_sql = None
+        self.peer_sql = {}
         if self.set_based:
             identity = any(c.identity for c in dest_cols if c.name in self.cols)
             shape = applysql.Shape(
@@ -207,28 +200,6 @@ class TableApplier:
         ]
         self.dest_names = frozenset(c.name for c in dest_cols)
         self.compose(sub, dest_cols)
-
-    def apply_peer(self, sub: psycopg.Connection, lo: int, hi: int, peer: PeerBatch) -> int:
-        """A two-way peer's events, with conflict detection and resolution; conflicts found."""
-        return int(
-            scalar(
-                sub,
-                "select pgcascade.apply_peer_rows(%s, %s, %s, %s, %s::regclass, %s, %s, %s, %s, %s, %s)",
-                (
-                    peer.queue,
-                    peer.peer,
-                    peer.me,
-                    self.table,
-                    self.dest,
-                    self.keys,
-                    self.cols,
-                    lo,
-                    hi,
-                    peer.tick,
-                    peer.policies.get(self.table, peer.policy),
-                ),
-            )
-        )
 
     def apply_repair(self, sub: psycopg.Connection, ev_id: int) -> None:
         """A repair the root sent down the cascade (sql/replica/94_repair.sql), at its place,
@@ -275,38 +246,6 @@ def merge_staged(sub: psycopg.Connection, combined: str, part: str, tick: int, t
     n = q.insert_staged(sub, combined, STAGE_TABLE, tables)
     q.insert_event(sub, combined, "pgcascade.part-tick", str(tick), part)
     return n
-
-
-@dataclass(frozen=True)
-class PeerBatch:
-    """A two-way peer's batch being applied here: whose, which tick, with which policies."""
-
-    queue: str  # the peer's queue
-    peer: str  # the peer master's node name
-    me: str  # this master's node name
-    own_queue: str  # the queue this master is the root of
-    tick: int  # the batch's tick on the peer's queue
-    policy: str
-    policies: dict[str, str]  # per-table policies
-
-
-def peer_batch(sub: psycopg.Connection, node: nodes.Node, tick: int) -> PeerBatch | None:
-    """In the transaction of a batch of `node`'s queue: a two-way peer's batch is written as the
-    peer's (`pgcascade.origin`: the capture triggers tag what they write with it, peers take no
-    tagged event) and applied with conflicts resolved by the policies; None for any other node."""
-    if not node.is_peer:
-        return None
-    assert node.provider_node is not None and node.peer_of is not None
-    sub.execute("select set_config('pgcascade.origin', %s, true)", (node.provider_node,))
-    return PeerBatch(
-        node.queue_name,
-        node.provider_node,
-        node.node_name,
-        node.peer_of,
-        tick,
-        node.conflict_policy or DEFAULT_POLICY,
-        peer_policies(sub, node.queue_name),
-    )
 
 
 class ApplyError(RuntimeFailure):
@@ -460,23 +399,43 @@ def apply_segment(
             stats.ignored += n
         else:
             todo.append((a, bool(partial_sql)))
-    done = set()
-    if peer is None:
-        done = apply_set_based_together(
-            sub, [a for a, partial in todo if a.set_based and not partial], lo, hi, skip
-        )
+    if peer is not None:
+        stats.conflicts += apply_peer_tables(sub, [a for a, _ in todo], lo, hi, peer)
+        return
+    done = apply_set_based_together(
+        sub, [a for a, partial in todo if a.set_based and not partial], lo, hi, skip
+    )
     for a, partial in todo:
         if a.table in done:
             continue
         try:
-            if peer is not None:
-                stats.conflicts += a.apply_peer(sub, lo, hi, peer)
-            else:
-                a.apply(sub, lo, hi, skip, rowwise=partial)
+            a.apply(sub, lo, hi, skip, rowwise=partial)
         except psycopg.OperationalError:
             raise
         except psycopg.Error as e:
             raise ApplyError(f"applying events of {a.table} to {a.dest}: {db_error_line(e)}") from e
+
+
+def apply_peer_tables(
+    sub: psycopg.Connection, appliers: list[TableApplier], lo: int, hi: int, peer: PeerBatch
+) -> int:
+    """A two-way peer's events of these tables, each table's statement (peer_apply.py) sent in
+    one pipeline: one round trip for the segment.  Conflicts found."""
+    if not appliers:
+        return 0
+    statements = [(a, peer_apply.statement(sub, a, peer)) for a in appliers]
+    try:
+        with sub.pipeline():
+            results = [sub.execute(stmt, peer_apply.params(a, lo, hi, peer)) for a, stmt in statements]
+    except psycopg.Error as e:
+        for a in appliers:  # composed again next time: a table's columns may have changed
+            a.peer_sql.clear()
+        if isinstance(e, psycopg.OperationalError):
+            raise
+        names = [a.dest for a in appliers if a.dest.rsplit(".", 1)[-1].strip('"') == e.diag.table_name]
+        where = names[0] if names else ", ".join(a.dest for a in appliers)
+        raise ApplyError(f"applying events of {peer.peer} to {where}: {db_error_line(e)}") from e
+    return sum(int(row[0]) for cur in results if (row := cur.fetchone()) is not None)
 
 
 def apply_set_based_together(

@@ -1,7 +1,7 @@
 """Two-way conflicts: the policies, and the log (`pgcascade.conflict`) this module alone reads.
 
-The conflicts themselves are found and resolved per row, set-based, by the server
-(`pgcascade.apply_peer_rows`, sql/replica/93_two_way.sql); the policy decides in one place there.
+The conflicts themselves are found and resolved per row, set-based, by the peer apply's
+statement (replica/peer_apply.py); which side wins is decided in one place, `winner_sql`.
 """
 
 from __future__ import annotations

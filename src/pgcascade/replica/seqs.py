@@ -12,11 +12,11 @@ from pgcascade.core import catalog
 from pgcascade.core.errors import UserError
 from pgcascade.core.pgconn import scalar
 
+SEQS = "select seq_name, dest_seq from pgcascade.subscriber_seq where queue_name = %s order by 1"
+
 
 def seqs(conn: psycopg.Connection, queue: str) -> list[tuple[str, str]]:
-    return conn.execute(
-        "select seq_name, dest_seq from pgcascade.subscriber_seq where queue_name = %s order by 1", (queue,)
-    ).fetchall()
+    return conn.execute(SEQS, (queue,)).fetchall()
 
 
 def add_seqs(

@@ -332,15 +332,15 @@ def catch_up_peer_table(
     )
 
 
+PEER_POLICIES = (
+    "select table_name, conflict_policy from pgcascade.subscriber_table"
+    " where queue_name = %s and conflict_policy is not null"
+)
+
+
 def peer_policies(conn: psycopg.Connection, peer_queue: str) -> dict[str, str]:
     """Per-table conflict policies of a peer subscription (the others use the node's)."""
-    return dict(
-        conn.execute(
-            "select table_name, conflict_policy from pgcascade.subscriber_table"
-            " where queue_name = %s and conflict_policy is not null",
-            (peer_queue,),
-        ).fetchall()
-    )
+    return dict(conn.execute(PEER_POLICIES, (peer_queue,)).fetchall())
 
 
 def set_peer_policy(conn: psycopg.Connection, peer_queues: list[str], tables: list[str], policy: str) -> None:

@@ -42,23 +42,22 @@ from pgcascade.core.errors import UserError
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
 from pgcascade.pgq.queue import BatchInfo
+from pgcascade.replica import peer_worker
 from pgcascade.replica import seqs as subscriber_seqs
 from pgcascade.replica import tables as subscriber
 from pgcascade.replica.apply import (
     APPLY_SETTINGS,
     STAGE_TABLE,
     BatchStats,
-    PeerBatch,
     TableApplier,
     apply_staged,
     ensure_stage,
     merge_staged,
-    peer_batch,
     stage_batch,
 )
 from pgcascade.replica.copies import CopyLauncher
 from pgcascade.replica.copy import BulkCopier
-from pgcascade.replica.ddl import DdlReplay, PeerBehind, await_origins, forget_tables_left
+from pgcascade.replica.ddl import DdlReplay, PeerBehind, forget_tables_left
 from pgcascade.replica.delay import ApplyDelay
 from pgcascade.replica.parallel import ParallelApply, ahead_of, left_out
 from pgcascade.replica.state import Phase
@@ -264,6 +263,11 @@ class Worker(Daemon):
             except PeerBehind as e:  # not an error: another master's DDL comes first; tick by tick
                 w.retry_at, w.single_ticks_until = time.monotonic() + 0.5, e.batch_end  # (no deadlock)
                 log.info("peer queue %s: %s", queue, e)
+            except psycopg.errors.TransactionRollback as e:
+                # a deadlock with a local transaction, or one that changed a row the batch was
+                # judged against: rolled back, applied again at once (the batch is still open)
+                log.info("peer queue %s: %s; applying the batch again", queue, str(e).strip().splitlines()[0])
+                busy = True
             except psycopg.OperationalError as e:
                 w.drop_connections()
                 w.fail(e, queue)
@@ -290,18 +294,25 @@ class Worker(Daemon):
         done = left_out(tables, info.cur_tick_id)  # by a parallel apply cut short
         appliers = {t: a for t, a in self.appliers_for(sub, prov, tables).items() if t not in done}
         self.phases = BatchPhases(started)
-        with sub.transaction():
-            sub.execute(APPLY_SETTINGS)
-            lanes = None
-            if not node.is_peer and self.parallel.wanted(node, info):
-                lanes = self.parallel.apply(sub, prov, self.queue, node, info, appliers)
-                self.phases.mark("lanes")
-            now = nodes.lock_node(sub, self.queue)
-            if now.provider_node != node.provider_node or now.node_type != node.node_type:
-                return  # moved (change-provider, takeover) since this round began: start again
-            stats = None
-            if now.last_tick is None or now.last_tick == info.prev_tick_id:
-                stats = self.apply_batch(sub, prov, node, tables, info, appliers, rows_applied=lanes)
+        if node.is_peer:
+            self.use_peer_origin(sub, node)
+            now, stats = peer_worker.apply_batch(sub, prov, node, info, appliers, self.prov_logical)
+            if stats is None and (now.provider_node != node.provider_node or now.node_type != node.node_type):
+                return
+            self.phases.mark("apply")
+        else:
+            with sub.transaction():
+                sub.execute(APPLY_SETTINGS)
+                lanes = None
+                if self.parallel.wanted(node, info):
+                    lanes = self.parallel.apply(sub, prov, self.queue, node, info, appliers)
+                    self.phases.mark("lanes")
+                now = nodes.lock_node(sub, self.queue)
+                if now.provider_node != node.provider_node or now.node_type != node.node_type:
+                    return  # moved (change-provider, takeover) since this round began: start again
+                stats = None
+                if now.last_tick is None or now.last_tick == info.prev_tick_id:
+                    stats = self.apply_batch(sub, prov, node, tables, info, appliers, rows_applied=lanes)
         if stats is None:
             # the batch does not start where this node's durable record says it is (it was
             # applied and the provider lost its finish_batch in a crash, or cut the batch
@@ -351,37 +362,20 @@ class Worker(Daemon):
         assert info.batch_id is not None and info.cur_tick_id is not None
         carry = node.role.copies_events or bool(node.combined_queue)
         self.phases.mark("prepare")
-        peer = self.peer_batch(sub, node, info.cur_tick_id)
         if rows_applied is None:
-            stage_batch(
-                prov,
-                sub,
-                info,
-                carry=carry,
-                peer=peer is not None,
-                peer_logical=self.prov_logical,
-            )
+            stage_batch(prov, sub, info, carry=carry)
             self.phases.mark("stage")
-        if peer is not None:
-            await_origins(sub, node, info.cur_tick_id)
         if node.combined_queue:
             self.drop_partition_truncates(sub)
         elif carry:
             q.carry_events(sub, self.queue, STAGE_TABLE)
-        stats = apply_staged(sub, appliers, queue=self.queue, peer=peer, ddl=DdlReplay(node).replay)
+        stats = apply_staged(sub, appliers, queue=self.queue, ddl=DdlReplay(node).replay)
         if rows_applied is not None:
             stats.add(rows_applied)
         self.phases.mark("apply")
         if node.combined_queue:
             merge_staged(sub, node.combined_queue, self.queue, info.cur_tick_id, list(appliers))
-        if peer is not None:
-            assert node.peer_of is not None
-            snapshot = q.tick_snapshot(prov, self.queue, info.cur_tick_id)
-            sub.execute(
-                "select pgcascade.peer_batch_done(%s, %s, %s, %s, %s)",
-                (node.peer_of, self.queue, peer.peer, info.cur_tick_id, snapshot),
-            )
-        elif stats.table_list is not None:
+        if stats.table_list is not None:
             self.drop_tables_left_the_set(sub, prov, stats.table_list)
             if node.role.copies_events:
                 set_tables.mirror_set_tables(sub, self.queue, set_tables.set_table_rows(prov, self.queue))
@@ -392,16 +386,14 @@ class Worker(Daemon):
         self.phases.mark("record")
         return stats
 
-    def peer_batch(self, sub: psycopg.Connection, node: nodes.Node, tick: int) -> PeerBatch | None:
-        """A two-way peer's batch (apply.peer_batch); with logical capture here, the session
-        runs under the peer's replication origin, which is how the capture tells these changes."""
-        batch = peer_batch(sub, node, tick)
-        if batch is not None and self.origin_session is not sub:
-            assert node.peer_of is not None
+    def use_peer_origin(self, sub: psycopg.Connection, node: nodes.Node) -> None:
+        """With logical capture here, a peer's batches are applied under the peer's replication
+        origin (for the rest of the session), which is how the capture tells these changes."""
+        if self.origin_session is not sub:
+            assert node.peer_of is not None and node.provider_node is not None
             if walcapture.is_logical(sub, node.peer_of):
-                walcapture.use_origin(sub, walcapture.peer_origin(batch.peer))
+                walcapture.use_origin(sub, walcapture.peer_origin(node.provider_node))
             self.origin_session = sub
-        return batch
 
     # --- a merge-leaf (combined partitions) ---
     def combined_is_root(self, sub: psycopg.Connection, node: nodes.Node) -> bool:

@@ -159,11 +159,16 @@ begin
 end $f$, msg));
         end if;
     else
+        -- a peer's apply that no subscriber under this master needs passed on says so
+        -- (pgcascade.forward = off, pgcascade.peer_apply_begin): nothing to write
         body := $f$
 declare
     v_table text := $f$ || name_expr || $f$;
     v_rare pgcascade.event_rare := pgcascade.origin_rare();
 begin$f$ || replace(part_check, '%', '%%') || $f$
+    if v_rare is not null and current_setting('pgcascade.forward', true) = 'off' then
+        return null;
+    end if;
     %s;
     return null;
 end $f$;
@@ -210,6 +215,10 @@ end $f$, table_lit,
     execute format('create or replace function pgcascade.%I() returns trigger language plpgsql%s as %L',
         fn || '_trunc', fn_definer, format($f$
 begin
+    if coalesce(current_setting('pgcascade.origin', true), '') <> ''
+       and current_setting('pgcascade.forward', true) = 'off' then
+        return null;
+    end if;
     perform pgcascade.insert_event(%L, 'R', null, format('%%I.%%I', TG_TABLE_SCHEMA, TG_TABLE_NAME), null, null,
                                    nullif(current_setting('pgcascade.origin', true), ''));
     return null;

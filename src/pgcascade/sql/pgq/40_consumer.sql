@@ -1,3 +1,17 @@
+-- pgcascade.registration_lock() -> the first key of the advisory lock (second: the queue id) that
+-- registrations take exclusively and a two-way master's peer apply shared.
+create or replace function pgcascade.registration_lock() returns int4
+language sql immutable as $$ select 1885824370 $$;  -- 'pgcr'
+
+-- pgcascade.registration_needs_lock(queue_id, consumer) -> whether registering it takes that lock: a
+-- consumer new on the queue, other than the internal registrations ('.global_watermark', ...).
+create or replace function pgcascade.registration_needs_lock(i_queue_id int4, i_consumer text) returns bool
+language sql stable as $$
+    select left(i_consumer, 1) <> '.'
+       and not exists (select 1 from pgcascade.subscription s join pgcascade.consumer c on c.co_id = s.sub_consumer
+                        where s.sub_queue = i_queue_id and c.co_name = i_consumer)
+$$;
+
 -- pgcascade.register_consumer(queue, consumer) -> 1 if registered now, 0 if it already was.
 -- A new consumer starts at the queue's last tick: it receives events committed after it.
 create or replace function pgcascade.register_consumer(i_queue_name text, i_consumer text) returns int4
@@ -7,6 +21,15 @@ declare
     v_tick int8;
 begin
     q := pgcascade.find_queue(i_queue_name);
+    -- a two-way master passes its peers' changes on only while a consumer other than its peers
+    -- is registered (pgcascade.peer_apply_begin): once no apply that passed nothing on is in
+    -- flight, a new tick is the first position that misses none of them
+    if pgcascade.registration_needs_lock(q.queue_id, i_consumer) then
+        perform pg_advisory_xact_lock(pgcascade.registration_lock(), q.queue_id);
+        if exists (select 1 from pgcascade.node where peer_of = i_queue_name) then
+            perform pgcascade.ticker(i_queue_name);
+        end if;
+    end if;
     select max(tick_id) into v_tick from pgcascade.tick where tick_queue = q.queue_id;
     if v_tick is null then
         raise exception 'queue "%" has no tick yet', i_queue_name using errcode = '55000';
@@ -31,6 +54,9 @@ begin
         raise exception 'consumer name must not be empty' using errcode = '22023';
     end if;
     q := pgcascade.find_queue(i_queue_name);
+    if pgcascade.registration_needs_lock(q.queue_id, i_consumer) then
+        perform pg_advisory_xact_lock(pgcascade.registration_lock(), q.queue_id);
+    end if;
     perform 1 from pgcascade.tick where tick_queue = q.queue_id and tick_id = i_tick_id;
     if not found then
         raise exception 'tick % does not exist on queue "%"', i_tick_id, i_queue_name using errcode = 'P0002';

@@ -11,7 +11,7 @@
 --   (last-update-wins: the row stays if it is newer than the TRUNCATE);
 -- - a key absent here since a TRUNCATE has that TRUNCATE as its version (if it is newer than
 --   the key's own tombstone): a peer's change to it that had not seen the TRUNCATE is judged
---   against it by the same rule (apply_peer_rows).
+--   against it by the same rule (the peer apply, replica/peer_apply.py).
 -- "Seen" is judged as for rows, by the peer's markers (pgcascade.peer-seen) before its TRUNCATE.
 
 -- pgcascade.record_truncate(): AFTER TRUNCATE statement trigger on a master's two-way tables: a

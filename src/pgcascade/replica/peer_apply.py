@@ -1,0 +1,297 @@
+"""The apply of a two-way peer's batch: one set-based statement per table, conflicts included.
+
+For each table with row events in the staged batch, one statement (composed here once per table
+and policy, prepared by the driver, all tables of a batch sent in one pipeline) does what the
+docs (docs/two-way.md, "Conflicts") describe:
+
+1. the net change per key (the last event wins; the first says how the peer's change began);
+2. the local row, locked (`FOR UPDATE` in a lateral look-up by key: a local transaction that
+   changed it meanwhile is waited for, and its version is the one judged), and the row's
+   version: `row_version` for rows a peer's apply wrote and for tombstones, `peer_copy` for rows
+   of a first copy, else this master's own commit time of the row's `xmin`;
+3. whether the peer had seen that version (the batch's `pgcascade.peer-seen` markers, else what
+   was last known in `peer_seen`), the conflict kind, and the winner by the table's policy
+   (conflicts.winner_sql);
+4. the conflict log, the writes (DELETE and UPDATE by the locked rows' ctid, INSERT ... ON
+   CONFLICT DO NOTHING for new keys) and the versions of the rows written.
+
+The statement reads the row versions with its one snapshot, taken before the locks were granted.
+That is sound because nothing but this worker writes `row_version` for a row that exists, and a
+locked row cannot change again: the one version it can miss is a tombstone of a local DELETE
+(or key change) that committed while the statement waited for the row's lock - the row then
+vanishes from the lock's result although it was in the snapshot, and the batch is applied
+again (SQLSTATE 40001, as for a local INSERT of a new key that raced the apply).  It runs
+without a savepoint, so the rows it writes carry the apply's own transaction id
+(row_version.xid).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import psycopg
+from psycopg import sql
+
+from pgcascade.core import catalog
+from pgcascade.pgq import node as nodes
+from pgcascade.replica.conflicts import DEFAULT_POLICY, ConflictPolicy, winner_sql
+from pgcascade.replica.tables import peer_policies
+
+# a two-way peer's batch: the peer's own changes only (those its apply wrote for another master
+# carry that master in ev_extra4: that master sends them itself), and as ev_time each change's
+# commit time on the peer, which conflicts are resolved by (logical capture writes it as the
+# event's ev_time; a trigger's event has the commit time of its ev_txid)
+PEER_SEEN = "pgcascade.peer-seen"  # a master's marker: how far it had applied each other master
+PEER_SELECT = "ev_id, ev_txid, ev_type, ev_data, ev_extra1, {}, ev_extra2, ev_extra3, ev_extra4"
+PEER_TIME = {False: "coalesce(pgcascade.commit_time(ev_txid::text::xid8), ev_time)", True: "ev_time"}
+
+
+@dataclass(frozen=True)
+class PeerBatch:
+    """A two-way peer's batch being applied here: whose, which tick, with which policies."""
+
+    queue: str  # the peer's queue
+    peer: str  # the peer master's node name
+    me: str  # this master's node name
+    own_queue: str  # the queue this master is the root of
+    tick: int  # the batch's tick on the peer's queue
+    policy: str
+    policies: dict[str, str]  # per-table policies
+
+
+def peer_batch(sub: psycopg.Connection, node: nodes.Node, tick: int) -> PeerBatch | None:
+    """In the transaction of a batch of `node`'s queue: a two-way peer's batch is written as the
+    peer's, passed on to the subscribers under this master if there are any
+    (`pgcascade.peer_apply_begin`), and applied with conflicts resolved by the policies; None
+    for any other node."""
+    if not node.is_peer:
+        return None
+    assert node.provider_node is not None and node.peer_of is not None
+    sub.execute("select pgcascade.peer_apply_begin(%s, %s)", (node.peer_of, node.provider_node))
+    return PeerBatch(
+        node.queue_name,
+        node.provider_node,
+        node.node_name,
+        node.peer_of,
+        tick,
+        node.conflict_policy or DEFAULT_POLICY,
+        peer_policies(sub, node.queue_name),
+    )
+
+
+class PeerTable(Protocol):
+    """What the statement is composed for (a replica.apply.TableApplier)."""
+
+    table: str
+    dest: str
+    keys: list[str]
+    json_nulls: bool
+    peer_sql: dict[tuple[str, str, str], bytes]
+
+
+def statement(sub: psycopg.Connection, t: PeerTable, peer: PeerBatch) -> bytes:
+    """The table's apply statement for this peer and policy (composed once, then reused until
+    the table's columns change: the statement checks that, and the batch is applied again)."""
+    policy = peer.policies.get(t.table, peer.policy)
+    key = (peer.peer, peer.me, policy)
+    found = t.peer_sql.get(key)
+    if found is None:
+        found = t.peer_sql[key] = compose(sub, t, peer.peer, peer.me, ConflictPolicy.parse(policy)).as_bytes(
+            sub
+        )
+    return found
+
+
+def params(t: PeerTable, lo: int, hi: int, peer: PeerBatch) -> dict:
+    return {"t": t.table, "lo": lo, "hi": hi, "tick": peer.tick, "queue": peer.queue}
+
+
+def compose(
+    sub: psycopg.Connection, t: PeerTable, peer: str, me: str, policy: ConflictPolicy
+) -> sql.Composed:
+    """The one statement that applies a table's staged events of a peer's batch; it returns the
+    conflicts it logged (see the module's docstring for what it does, in order).  It writes every
+    column the table has here now (DDL on either master may have changed them since the worker
+    read them): one the peer's image lacks gets the value of old rows (missing_row_expr), one
+    only the peer has is left out."""
+    dest = sql.SQL(t.dest)  # canonical name, quoted by the server
+    cols = [c for c in catalog.columns(sub, t.dest) if not c.generated]
+    base, signature = sub.execute(
+        "select pgcascade.missing_row_expr(%s::regclass), pgcascade.columns_signature(%s::regclass)",
+        (t.dest, t.dest),
+    ).fetchone() or ("", "")
+    rkeys = sql.SQL(", ").join(sql.SQL("r.{}").format(sql.Identifier(k)) for k in t.keys)
+    match = sql.SQL(" and ").join(sql.SQL("t.{0} = (n.r).{0}").format(sql.Identifier(k)) for k in t.keys)
+    populate = sql.SQL(
+        "pgcascade.event_row({}, s.ev_data)" if t.json_nulls else "json_populate_record({}, s.ev_data::json)"
+    ).format(sql.SQL(base))
+    non_keys = [c.name for c in cols if c.name not in t.keys]
+    # each write names the rows it must touch; a row that changed since the statement's snapshot
+    # is not touched (its ctid is another one now), and the counts say so
+    writes = {
+        "del": sql.SQL(
+            "del as (delete from {dest} t using dec d"
+            " where t.ctid = d.local_ctid and d.winner = 'remote' and d.ev_type = 'D' returning 1)"
+        ).format(dest=dest),
+        "ins": sql.SQL(
+            "ins as (insert into {dest} ({cols}){overriding} select {rcols} from dec d"
+            " where not d.local_exists and d.winner = 'remote' and d.ev_type <> 'D'"
+            " on conflict ({keys}) do nothing returning 1)"
+        ).format(
+            dest=dest,
+            cols=sql.SQL(", ").join(sql.Identifier(c.name) for c in cols),
+            overriding=sql.SQL(" overriding system value" if any(c.identity for c in cols) else ""),
+            rcols=sql.SQL(", ").join(sql.SQL("(d.r).{}").format(sql.Identifier(c.name)) for c in cols),
+            keys=sql.SQL(", ").join(map(sql.Identifier, t.keys)),
+        ),
+        # the rows kept against a peer's change stay as judged until the batch commits
+        "kept": sql.SQL(
+            "kept as (select 1 from {dest} t join dec d on t.ctid = d.local_ctid"
+            " where d.winner = 'local' for update of t)"
+        ).format(dest=dest),
+    }
+    expected = {
+        "del": "d.winner = 'remote' and d.ev_type = 'D' and d.local_exists",
+        "ins": "d.winner = 'remote' and d.ev_type <> 'D' and not d.local_exists",
+        "kept": "d.winner = 'local' and d.local_exists",
+    }
+    if non_keys:
+        writes["upd"] = sql.SQL(
+            "upd as (update {dest} t set {sets} from dec d"
+            " where t.ctid = d.local_ctid and d.winner = 'remote' and d.ev_type <> 'D' returning 1)"
+        ).format(
+            dest=dest,
+            sets=sql.SQL(", ").join(sql.SQL("{0} = (d.r).{0}").format(sql.Identifier(c)) for c in non_keys),
+        )
+        expected["upd"] = "d.winner = 'remote' and d.ev_type <> 'D' and d.local_exists"
+    raced = sql.SQL(" or ").join(
+        sql.SQL("(select count(*) from {}) <> (select count(*) from dec d where {})").format(
+            sql.Identifier(w), sql.SQL(expected[w])
+        )
+        for w in writes
+    )
+    lit_peer, lit_me, lit_policy = sql.Literal(peer), sql.Literal(me), sql.Literal(str(policy))
+    return sql.SQL(STATEMENT).format(
+        rkeys=rkeys,
+        populate=populate,
+        dest=dest,
+        match=match,
+        me=lit_me,
+        peer=lit_peer,
+        policy=lit_policy,
+        winner=winner_sql(policy, lit_peer, sql.Literal(t.table)),
+        writes=sql.SQL(", ").join(writes.values()),
+        raced=raced,
+        signature=sql.Literal(signature),
+    )
+
+
+STATEMENT = (
+    # the net change per key: the last event, and the first (how the peer's change began)
+    "with net as materialized ("
+    "  select distinct on ({rkeys}) s.ev_id, s.ev_type, s.ev_data, s.ev_time as remote_time,"
+    "         last_value(s.ev_id) over w as first_ev, last_value(s.ev_type) over w as first_type,"
+    "         jsonb_build_array({rkeys}) as row_key, r"
+    "    from pg_temp.pgcascade_stage s cross join lateral {populate} r"
+    "   where s.ev_extra1 = %(t)s and s.ev_id >= %(lo)s and s.ev_id < %(hi)s"
+    "     and s.ev_type in ('I', 'U', 'D')"
+    "  window w as (partition by {rkeys} order by s.ev_id desc"
+    "               rows between unbounded preceding and unbounded following)"
+    "   order by {rkeys}, s.ev_id desc),"
+    # the local row and its version: row_version (a peer's apply wrote it, or a tombstone),
+    # peer_copy (a first copy wrote it), the table's last TRUNCATE (a key absent since one newer
+    # than its own tombstone: 94_two_way_truncate.sql), else this master's own change.  A row's
+    # xmin as a full transaction id: the nearest to the snapshot's xmax (as pgcascade.xid8_of,
+    # inline).  (Materialized, and OFFSET 0: each expression computed once per row, not per use.)
+    " ref as (select pg_snapshot_xmax(pg_current_snapshot())::text::int8 as x8),"
+    " copy as (select xid::text::int8 as x8, origin from pgcascade.peer_copy where table_name = %(t)s),"
+    " tr as (select origin, origin_tick, origin_time, xid::text::int8 as x8"
+    "          from pgcascade.truncate_version(%(t)s, {me})),"
+    " loc as materialized ("
+    "  select n.*, l.ctid as local_ctid, l.xmin as local_xmin, l.ctid is not null as local_exists,"
+    "         l.x8 as row_x8, coalesce(u.by_tr, false) or coalesce(v.xid::text::int8 = tr.x8, false) as truncated,"
+    "         case when u.by_tr then nullif(tr.origin, {me}) else v.origin end as rv_origin,"
+    "         case when u.by_tr then tr.origin_tick else v.origin_tick end as rv_tick,"
+    "         case when u.by_tr then tr.origin_time else v.origin_time end as rv_time,"
+    "         case when u.by_tr then tr.x8 else v.xid::text::int8 end as rv_x8,"
+    "         case when u.by_tr then true else v.deleted end as rv_deleted"
+    "    from net n"
+    "    left join lateral (select t.ctid, t.xmin, r8.x8 + ((t.xmin::text::int8 - r8.x8 %% 4294967296"
+    "                       + 6442450944) %% 4294967296 - 2147483648) as x8"
+    "                         from {dest} t, ref r8 where {match} offset 0) l on true"
+    "    left join pgcascade.row_version v on v.table_name = %(t)s and v.row_key = n.row_key"
+    "    left join tr on l.ctid is null"
+    "    left join lateral (select v.xid is null or (tr.origin_time, tr.origin)"
+    "                              > (coalesce(v.origin_time, pgcascade.commit_time(v.xid), '-infinity'),"
+    "                                 coalesce(v.origin, {me})) as by_tr offset 0) u on tr.x8 is not null),"
+    " ver as ("
+    "  select loc.*, by_rv, by_copy,"
+    "         case when by_rv then rv_origin when by_copy then (select origin from copy)"
+    "              when local_exists then {me} when rv_deleted then coalesce(rv_origin, {me}) end"
+    "           as local_origin,"
+    "         case when by_rv then rv_tick when by_copy then 0"
+    "              when not local_exists and rv_deleted then rv_tick end as local_tick,"
+    "         case when local_exists then row_x8 else rv_x8 end as local_x8"
+    "    from loc cross join lateral (select local_exists and rv_x8 = row_x8 and not rv_deleted as by_rv,"
+    "                                        local_exists and row_x8 = (select x8 from copy) as by_copy) b),"
+    # had the peer applied that version when it made its change?  What it had applied of each
+    # master as of each of its events: the last of its markers in this batch before it, else
+    # what the last batch applied here said (peer_seen) - each such state as an ev_id range
+    " m as materialized ("
+    "  select origin, from_ev, lead(from_ev, 1, 9223372036854775807) over (partition by origin order by from_ev)"
+    "         as to_ev, tick, snap"
+    "    from (select ev_extra1 as origin, ev_id as from_ev, ev_data::int8 as tick, ev_extra2::pg_snapshot as snap"
+    "            from pg_temp.pgcascade_stage where ev_type = 'pgcascade.peer-seen'"
+    "          union all"
+    "          select origin, -1, seen_tick, seen_snapshot from pgcascade.peer_seen where queue_name = %(queue)s) mk),"
+    " judged as materialized ("
+    "  select ver.*, case"
+    "         when local_origin is null or local_origin = {peer} then true"
+    "         when local_origin = {me} then coalesce(pg_visible_in_snapshot(local_x8::text::xid8, m.snap), false)"
+    "         else coalesce(local_tick <= m.tick, false) end as seen"
+    "    from ver left join m on m.origin = ver.local_origin and m.from_ev < ver.first_ev"
+    "                            and ver.first_ev < m.to_ev),"
+    " kind as ("
+    "  select judged.*, case"
+    "         when first_type = 'I' and local_exists then 'insert/insert'"
+    "         when ev_type = 'D' and not local_exists and first_type <> 'I' then 'delete/delete'"
+    "         when seen then null"
+    "         when local_exists and ev_type = 'D' then 'update/delete'"
+    "         when local_exists then 'update/update'"
+    "         when truncated then 'update/truncate'"
+    "         else 'update/delete' end as conflict"
+    "    from judged),"
+    # the local row and its commit time are wanted only where there is a conflict
+    " dec as ("
+    "  select kind.*, local_t, local_time,"
+    "         case when conflict is null or conflict = 'delete/delete' then 'remote' else {winner} end as winner"
+    "    from kind"
+    "    left join lateral (select t as local_t from {dest} t"
+    "                        where t.ctid = kind.local_ctid and kind.conflict is not null) lt on true"
+    "    cross join lateral (select case when conflict is null then null"
+    "         when by_rv then rv_time when by_copy then '-infinity'"
+    "         when local_exists then pg_xact_commit_timestamp(local_xmin)"
+    "         when rv_deleted and rv_origin is null then pgcascade.commit_time(rv_x8::text::xid8)"
+    "         when rv_deleted then rv_time end as local_time) tm),"
+    " conf as (insert into pgcascade.conflict (queue_name, table_name, conflict_type, row_key, local_row,"
+    "          remote_row, local_origin, remote_origin, local_time, remote_time, policy, winner, tick_id)"
+    "   select %(queue)s, %(t)s, conflict, row_key, to_jsonb(local_t),"
+    "          case when ev_type <> 'D' then ev_data::jsonb end, local_origin, {peer}, local_time, remote_time,"
+    "          {policy}, winner, %(tick)s"
+    "     from dec where conflict is not null and winner in ('local', 'remote') returning 1),"
+    " {writes},"
+    " rv as (insert into pgcascade.row_version as v (table_name, row_key, origin, origin_tick, origin_time,"
+    "        xid, deleted)"
+    "   select %(t)s, row_key, {peer}, %(tick)s, remote_time, pg_current_xact_id(), ev_type = 'D'"
+    "     from dec where winner = 'remote'"
+    "   on conflict (table_name, row_key) do update set origin = excluded.origin,"
+    "      origin_tick = excluded.origin_tick, origin_time = excluded.origin_time, xid = excluded.xid,"
+    "      deleted = excluded.deleted)"
+    # the checks last: any of them undoes everything the statement did
+    " select (select count(*) from conf)"
+    "   + coalesce((select pgcascade.peer_conflict_stop(conflict, %(t)s, row_key, {peer}, {policy}) from dec"
+    "                where winner is null or winner not in ('local', 'remote') limit 1), 0)"
+    "   + coalesce((select pgcascade.peer_apply_raced(%(t)s, {peer}) where {raced}), 0)"
+    "   + pgcascade.peer_columns_check({dest}::regclass, {signature})"
+)
