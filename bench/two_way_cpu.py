@@ -255,8 +255,8 @@ def daemons_connected(c: LocalCluster, logical: bool) -> bool:
     with c.connect() as conn:
         apps = [r[0] for r in conn.execute("select application_name from pg_stat_activity")]
     return (
-        apps.count("pgcascade ticker") >= 1
-        and apps.count("pgcascade worker") >= 2
+        any(a.startswith("pgcascade ticker") for a in apps)
+        and sum(a.startswith("pgcascade worker") for a in apps) >= 2
         and any(a.startswith("pgc:worker") for a in apps)
         and (not logical or any(a.startswith("pgcascade capture") for a in apps))
     )

@@ -195,6 +195,12 @@ def test_two_masters_resolve_each_conflict_kind_by_each_policy(two_way: TwoWaySe
         a.execute(f"insert into {t} select i, 100, 'seed' from generate_series(1, 4) i")
     two_way.wait_converged(*policies)
     two_way.stop_workers()
+    # no consumer but its peer on b's queue: what b applied from a is not written there again
+    with b.db.connect() as conn:
+        passed_on = conn.execute(
+            "select count(*) from pgcascade.event where (ev_rare).ev_extra4 is not null"
+        ).fetchone()[0]
+    assert passed_on == 0, f"b wrote {passed_on} events of a's changes that nobody reads"
 
     # while neither replays the other: the same rows changed on both, a first, then b
     for t in policies:

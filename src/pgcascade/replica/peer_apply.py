@@ -184,6 +184,7 @@ def compose(
         writes=sql.SQL(", ").join(writes.values()),
         raced=raced,
         signature=sql.Literal(signature),
+        dest_name=sql.Literal(t.dest),
     )
 
 
@@ -293,5 +294,5 @@ STATEMENT = (
     "   + coalesce((select pgcascade.peer_conflict_stop(conflict, %(t)s, row_key, {peer}, {policy}) from dec"
     "                where winner is null or winner not in ('local', 'remote') limit 1), 0)"
     "   + coalesce((select pgcascade.peer_apply_raced(%(t)s, {peer}) where {raced}), 0)"
-    "   + pgcascade.peer_columns_check({dest}::regclass, {signature})"
+    "   + pgcascade.peer_columns_check({dest_name}::regclass, {signature})"
 )

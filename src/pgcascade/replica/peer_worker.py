@@ -3,29 +3,59 @@
 The same transaction as any batch (worker.py): the node row locked, the batch's events staged,
 applied, the tick recorded - with what only a peer's batch has (the origin and whether to pass
 the changes on, `pgcascade.peer_apply_begin`; the conflict policies; the peer's markers and this
-master's own, `pgcascade.peer_batch_done`).  Statements that need no answer in between go in one
-pipeline: on the subscriber, the batch costs BEGIN, one pipeline, the COPY of the events, the
-barriers' look-up, one pipeline of the tables' statements (peer_apply.py), one of the
-bookkeeping, and COMMIT.
+master's own, `pgcascade.peer_batch_done`).
+
+A small batch (at most SMALL_BATCH events of the peer's own, only row changes and markers - the
+common case when changes trickle in) is read from the peer into memory and applied in ONE round
+trip: BEGIN, the checks the step-by-step way makes by looking (`pgcascade.peer_batch_begin`
+refuses the batch when the node is not where the batch starts, or the policies changed), the
+events inserted into the staging table from arrays, each table's statement (peer_apply.py), the
+markers, the tick and COMMIT, all in one pipeline.  Any other batch, or one refused so, goes
+step by step: BEGIN, one pipeline, the COPY of the events, the barriers' look-up, one pipeline of
+the tables' statements, one of the bookkeeping, and COMMIT.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass
+
 import psycopg
+from psycopg import sql
 
 from pgcascade.core.errors import RuntimeFailure
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
 from pgcascade.pgq.queue import BatchInfo
+from pgcascade.replica import peer_apply
 from pgcascade.replica import seqs as subscriber_seqs
 from pgcascade.replica import tables as subscriber
-from pgcascade.replica.apply import BatchStats, TableApplier, apply_staged, stage_batch
+from pgcascade.replica.apply import MAX_EV_ID, BatchStats, TableApplier, apply_staged, stage_batch
 from pgcascade.replica.conflicts import DEFAULT_POLICY
 from pgcascade.replica.ddl import DdlReplay, await_origins
-from pgcascade.replica.peer_apply import PeerBatch
+from pgcascade.replica.peer_apply import PEER_SEEN, PEER_SELECT, PEER_TIME, PeerBatch
 
 # APPLY_SETTINGS in one statement (a pipeline takes one statement per call)
 SETTINGS = "select set_config('session_replication_role', 'replica', true), set_config('synchronous_commit', 'on', true)"
+SMALL_BATCH = 2000  # events of a batch applied in one round trip, from memory
+REFUSED = ("PCB01", "PCB02")  # pgcascade.peer_batch_begin: go step by step
+FAST_TYPES = frozenset({"I", "U", "D", PEER_SEEN})
+STAGE_ARRAYS = (
+    "insert into pg_temp.pgcascade_stage"
+    " (ev_id, ev_txid, ev_type, ev_data, ev_extra1, ev_time, ev_extra2, ev_extra3, ev_extra4)"
+    " select * from unnest(%s::int8[], %s::int8[], %s::text[], %s::text[], %s::text[], %s::timestamptz[],"
+    " %s::text[], %s::text[], %s::text[])"
+)
+
+
+@dataclass
+class PeerState:
+    """What a peer subscription's worker keeps between batches: the policies its statements
+    were composed by (checked in each one-round-trip batch), as the last step-by-step one read."""
+
+    policy: str = DEFAULT_POLICY
+    policies: dict[str, str] | None = None
+    policies_hash: str | None = None
 
 
 def apply_batch(
@@ -35,10 +65,105 @@ def apply_batch(
     info: BatchInfo,
     appliers: dict[str, TableApplier],
     prov_logical: bool,
+    state: PeerState,
 ) -> tuple[nodes.Node, BatchStats | None]:
     """Apply the peer's batch `info` in one transaction; returns the node row as locked, and the
     stats, or None when the batch does not start where this node's record says it is, or the
     node changed since the round began (nothing applied then)."""
+    assert info.cur_tick_id is not None and node.peer_of is not None and node.provider_node is not None
+    # what this master's marker tells its peers: the tick's snapshot (next_batch reads it
+    # with its statement's snapshot, which a tick committed in the meantime is not in)
+    snapshot = info.cur_tick_snapshot or q.tick_snapshot(prov, node.queue_name, info.cur_tick_id)
+    if snapshot is None:
+        raise RuntimeFailure(f"tick {info.cur_tick_id} of {node.queue_name} is gone from the queue")
+    if state.policies is not None:
+        events = small_batch(prov, info, prov_logical)
+        if events is not None:
+            try:
+                return node, apply_in_one(sub, prov, node, info, appliers, state, events, snapshot)
+            except psycopg.Error as e:
+                if e.sqlstate not in REFUSED:
+                    raise
+    return apply_step_by_step(sub, prov, node, info, appliers, prov_logical, state, snapshot)
+
+
+def small_batch(prov: psycopg.Connection, info: BatchInfo, prov_logical: bool) -> list[tuple] | None:
+    """The peer's own events of the batch, when there are at most SMALL_BATCH and only row
+    changes and markers among them; else None."""
+    assert info.batch_id is not None
+    batch_sql = info.event_sql or q.batch_event_sql(prov, info.batch_id)
+    rows = prov.execute(
+        sql.SQL("select {} from ({}) b where ev_extra4 is null or ev_type = 'EXECUTE' limit {}").format(
+            sql.SQL(PEER_SELECT.format(PEER_TIME[prov_logical])),
+            sql.SQL(batch_sql),  # composed by the provider's own function, with quoted literals
+            sql.Literal(SMALL_BATCH + 1),
+        )
+    ).fetchall()
+    if len(rows) > SMALL_BATCH or any(r[2] not in FAST_TYPES for r in rows):
+        return None
+    return rows
+
+
+def apply_in_one(
+    sub: psycopg.Connection,
+    prov: psycopg.Connection,
+    node: nodes.Node,
+    info: BatchInfo,
+    appliers: dict[str, TableApplier],
+    state: PeerState,
+    events: list[tuple],
+    snapshot: str,
+) -> BatchStats:
+    """The small batch `events` in one round trip (the module's docstring)."""
+    assert info.cur_tick_id is not None and node.peer_of is not None and node.provider_node is not None
+    assert state.policies is not None
+    peer = PeerBatch(
+        node.queue_name,
+        node.provider_node,
+        node.node_name,
+        node.peer_of,
+        info.cur_tick_id,
+        state.policy,
+        state.policies,
+    )
+    stats = BatchStats(count=len(events))
+    rows = Counter(e[4] for e in events if e[2] != PEER_SEEN)
+    todo = []
+    for table, n in sorted(rows.items()):
+        stats.per_table[table] = n
+        a = appliers.get(table)
+        if a is None:
+            stats.ignored += n
+        else:  # composed before the pipeline: composing reads the catalog
+            todo.append((a, peer_apply.statement(sub, a, peer)))
+    with sub.pipeline(), sub.transaction():
+        sub.execute(SETTINGS)
+        sub.execute(
+            "select pgcascade.peer_batch_begin(%s, %s, %s, %s, %s)",
+            (node.peer_of, node.queue_name, node.provider_node, info.prev_tick_id, state.policies_hash),
+        )
+        if events:
+            sub.execute(STAGE_ARRAYS, [list(col) for col in zip(*events, strict=True)])
+        results = [sub.execute(stmt, peer_apply.params(a, 0, MAX_EV_ID, peer)) for a, stmt in todo]
+        bookkeeping(sub, node, peer, info.cur_tick_id, snapshot)
+        seqs = sub.execute(subscriber_seqs.SEQS, (node.queue_name,))
+    stats.conflicts = sum(int(row[0]) for cur in results if (row := cur.fetchone()) is not None)
+    if seqs.fetchall():  # as a rule none: they only ever move up, so after the commit is as good
+        subscriber_seqs.sync_sequences(prov, sub, node.queue_name)
+    return stats
+
+
+def apply_step_by_step(
+    sub: psycopg.Connection,
+    prov: psycopg.Connection,
+    node: nodes.Node,
+    info: BatchInfo,
+    appliers: dict[str, TableApplier],
+    prov_logical: bool,
+    state: PeerState,
+    snapshot: str,
+) -> tuple[nodes.Node, BatchStats | None]:
+    """Any batch, looking at each step's answer before the next (the module's docstring)."""
     assert info.cur_tick_id is not None and node.peer_of is not None and node.provider_node is not None
     with sub.transaction():
         with sub.pipeline():
@@ -46,6 +171,7 @@ def apply_batch(
             locked = nodes.locking_node(sub, node.queue_name)
             sub.execute("select pgcascade.peer_apply_begin(%s, %s)", (node.peer_of, node.provider_node))
             policies = sub.execute(subscriber.PEER_POLICIES, (node.queue_name,))
+            policies_hash = sub.execute("select pgcascade.peer_policies_hash(%s)", (node.queue_name,))
             seqs = sub.execute(subscriber_seqs.SEQS, (node.queue_name,))
         now = locked.fetchone()
         if now is None:
@@ -54,29 +180,31 @@ def apply_batch(
             return now, None  # moved since this round began: start again
         if now.last_tick is not None and now.last_tick != info.prev_tick_id:
             return now, None
+        state.policy, state.policies = now.conflict_policy or DEFAULT_POLICY, dict(policies.fetchall())
+        state.policies_hash = (policies_hash.fetchone() or (None,))[0]
         peer = PeerBatch(
             node.queue_name,
             node.provider_node,
             node.node_name,
             node.peer_of,
             info.cur_tick_id,
-            now.conflict_policy or DEFAULT_POLICY,
-            dict(policies.fetchall()),
+            state.policy,
+            state.policies,
         )
-        # what this master's marker tells its peers: the tick's snapshot (next_batch reads it
-        # with its statement's snapshot, which a tick committed in the meantime is not in)
-        snapshot = info.cur_tick_snapshot or q.tick_snapshot(prov, node.queue_name, info.cur_tick_id)
-        if snapshot is None:
-            raise RuntimeFailure(f"tick {info.cur_tick_id} of {node.queue_name} is gone from the queue")
         stage_batch(prov, sub, info, peer=True, peer_logical=prov_logical)
         await_origins(sub, node, info.cur_tick_id)
         stats = apply_staged(sub, appliers, queue=node.queue_name, peer=peer, ddl=DdlReplay(node).replay)
         with sub.pipeline():
-            sub.execute(
-                "select pgcascade.peer_batch_done(%s, %s, %s, %s, %s)",
-                (node.peer_of, node.queue_name, peer.peer, info.cur_tick_id, snapshot),
-            )
-            nodes.record_applied(sub, node.queue_name, info.cur_tick_id)
+            bookkeeping(sub, node, peer, info.cur_tick_id, snapshot)
         if seqs.fetchall():  # a peer's sequences are spread, not followed: none, as a rule
             subscriber_seqs.sync_sequences(prov, sub, node.queue_name)
     return now, stats
+
+
+def bookkeeping(sub: psycopg.Connection, node: nodes.Node, peer: PeerBatch, tick: int, snapshot: str) -> None:
+    """In the batch's transaction: the peer's markers, this master's own, the tick applied."""
+    sub.execute(
+        "select pgcascade.peer_batch_done(%s, %s, %s, %s, %s)",
+        (peer.own_queue, node.queue_name, peer.peer, tick, snapshot),
+    )
+    nodes.record_applied(sub, node.queue_name, tick)

@@ -113,6 +113,7 @@ class Worker(Daemon):
         self.peer_workers: dict[str, Worker] = {}  # a master's: peer queue -> its worker
         self.prov_logical = False  # the provider is a two-way peer with logical capture
         self.origin_session: psycopg.Connection | None = None  # runs under the peer's replication origin
+        self.peer_state = peer_worker.PeerState()  # a peer subscription's, between its batches
         self.retry_at = 0.0  # a peer's worker after an error: not before then
         self.backoff = self.single_ticks_until = 0.0  # a peer waiting for DDL: a tick per batch until
         self.delay = ApplyDelay()  # a delayed leaf (apply_delay)
@@ -263,12 +264,15 @@ class Worker(Daemon):
             except PeerBehind as e:  # not an error: another master's DDL comes first; tick by tick
                 w.retry_at, w.single_ticks_until = time.monotonic() + 0.5, e.batch_end  # (no deadlock)
                 log.info("peer queue %s: %s", queue, e)
-            except psycopg.errors.TransactionRollback as e:
-                # a deadlock with a local transaction, or one that changed a row the batch was
-                # judged against: rolled back, applied again at once (the batch is still open)
-                log.info("peer queue %s: %s; applying the batch again", queue, str(e).strip().splitlines()[0])
-                busy = True
             except psycopg.OperationalError as e:
+                if (e.sqlstate or "").startswith("40"):
+                    # a deadlock with a local transaction, or one that changed a row the batch
+                    # was judged against: rolled back, applied again at once (still open)
+                    log.info(
+                        "peer queue %s: %s; applying the batch again", queue, str(e).strip().splitlines()[0]
+                    )
+                    busy = True
+                    continue
                 w.drop_connections()
                 w.fail(e, queue)
             except Exception as e:  # the peer's batch failed: the others go on
@@ -296,7 +300,9 @@ class Worker(Daemon):
         self.phases = BatchPhases(started)
         if node.is_peer:
             self.use_peer_origin(sub, node)
-            now, stats = peer_worker.apply_batch(sub, prov, node, info, appliers, self.prov_logical)
+            now, stats = peer_worker.apply_batch(
+                sub, prov, node, info, appliers, self.prov_logical, self.peer_state
+            )
             if stats is None and (now.provider_node != node.provider_node or now.node_type != node.node_type):
                 return
             self.phases.mark("apply")

@@ -166,7 +166,7 @@ declare
     v_table text := $f$ || name_expr || $f$;
     v_rare pgcascade.event_rare := pgcascade.origin_rare();
 begin$f$ || replace(part_check, '%', '%%') || $f$
-    if v_rare is not null and current_setting('pgcascade.forward', true) = 'off' then
+    if current_setting('pgcascade.forward', true) = 'off' then  -- set with pgcascade.origin
         return null;
     end if;
     %s;
@@ -215,8 +215,7 @@ end $f$, table_lit,
     execute format('create or replace function pgcascade.%I() returns trigger language plpgsql%s as %L',
         fn || '_trunc', fn_definer, format($f$
 begin
-    if coalesce(current_setting('pgcascade.origin', true), '') <> ''
-       and current_setting('pgcascade.forward', true) = 'off' then
+    if current_setting('pgcascade.forward', true) = 'off' then
         return null;
     end if;
     perform pgcascade.insert_event(%L, 'R', null, format('%%I.%%I', TG_TABLE_SCHEMA, TG_TABLE_NAME), null, null,

@@ -165,6 +165,39 @@ begin
     return v_forward;
 end $$;
 
+-- pgcascade.peer_policies_hash(peer_queue) -> what the peer apply's statements were composed by:
+-- the subscription's conflict policy and the tables' own.
+create or replace function pgcascade.peer_policies_hash(i_peer_queue text) returns text
+language sql stable as $$
+    select md5(coalesce((select conflict_policy from pgcascade.node where queue_name = i_peer_queue), '') || ';'
+               || coalesce((select string_agg(table_name || '=' || conflict_policy, ',' order by table_name)
+                              from pgcascade.subscriber_table
+                             where queue_name = i_peer_queue and conflict_policy is not null), ''))
+$$;
+
+-- pgcascade.peer_batch_begin(own_queue, peer_queue, peer, prev_tick, policies) -> peer_apply_begin:
+-- first in the one round trip a small peer batch is applied in (replica/peer_worker.py), where
+-- nothing can be looked at before the statements run: the node row locked, and the batch
+-- refused (nothing applied) unless it starts where this node's record is (SQLSTATE PCB01) and
+-- the policies are those the statements were composed by (PCB02).  The worker applies it the
+-- step-by-step way then, which looks at each.
+create or replace function pgcascade.peer_batch_begin(
+    i_own_queue text, i_peer_queue text, i_peer text, i_prev_tick int8, i_policies text) returns bool
+language plpgsql as $$
+declare
+    n pgcascade.node;
+begin
+    select * into n from pgcascade.node where queue_name = i_peer_queue for update;
+    if not found or n.peer_of is distinct from i_own_queue or n.provider_node is distinct from i_peer
+       or coalesce(n.last_tick <> i_prev_tick, false) then
+        raise exception 'batch of % not after this node''s last tick', i_peer_queue using errcode = 'PCB01';
+    end if;
+    if pgcascade.peer_policies_hash(i_peer_queue) is distinct from i_policies then
+        raise exception 'conflict policies of % changed', i_peer_queue using errcode = 'PCB02';
+    end if;
+    return pgcascade.peer_apply_begin(i_own_queue, i_peer);
+end $$;
+
 -- The apply of a peer's batch is one statement per table, composed by replica/peer_apply.py;
 -- these end it when it must not stand.
 
