@@ -3,7 +3,13 @@ leaves, and the trigger that records it, which an upgrade adds to tables made tw
 
 from __future__ import annotations
 
+import threading
+
 from pgcascade.core import schema
+from pgcascade.dev.localcluster import wait_until
+from pgcascade.replica.apply import ensure_stage
+from pgcascade.replica.peer_apply import PeerBatch
+from pgcascade.replica.peer_truncate import apply_peer_truncate
 
 TRIGGER = "_pgcascade_tombstone_trunc"
 
@@ -54,3 +60,49 @@ def test_a_local_truncate_leaves_a_table_tombstone_and_an_upgrade_adds_its_trigg
     with db.connect() as conn:
         conn.execute("select pgcascade.two_way_table('public.t', '{id}', false)")
     assert not {TRIGGER, "_pgcascade_tombstone_key", "_pgcascade_tombstone_del"} & triggers(db, "t")
+
+
+def test_a_peer_truncate_judges_a_local_change_that_commits_while_it_waits(db) -> None:
+    """Master b applies a's TRUNCATE while a local transaction is changing a row a had seen: the
+    change commits while the apply waits for the table, and must be judged against the TRUNCATE
+    (newer, not seen by a: it stays, as the other masters keep it) - not removed unjudged."""
+    with db.connect() as conn:
+        conn.execute("create table t (id int primary key, v text)")
+        conn.execute(
+            "insert into pgcascade.set_table (queue_name, table_name, key_columns) values ('tw_b', 'public.t', '{id}')"
+        )
+        conn.execute("select pgcascade.two_way_table('public.t', '{id}', true)")
+        conn.execute("insert into t values (1, 'seen by a'), (2, 'seen by a')")
+        # what a had applied of b when it truncated: both rows
+        conn.execute(
+            "insert into pgcascade.peer_seen (queue_name, origin, seen_tick, seen_snapshot)"
+            " values ('tw_a', 'b', 1, pg_current_snapshot())"
+        )
+        truncated_at = conn.execute("select now()").fetchone()[0]
+    local = db.connect(autocommit=False)
+    local.execute("update t set v = 'changed on b after' where id = 1")  # uncommitted: holds the row
+    peer = PeerBatch("tw_a", "a", "b", "tw_b", 7, "last-update-wins", {})
+    found: list[int] = []
+
+    def apply() -> None:
+        with db.connect(autocommit=False) as sub:
+            ensure_stage(sub)
+            sub.execute(
+                "insert into pg_temp.pgcascade_stage (ev_id, ev_type, ev_extra1, ev_time) values (1, 'R', 'public.t', %s)",
+                (truncated_at,),
+            )
+            sub.execute("select set_config('pgcascade.origin', 'a', true)")
+            found.append(apply_peer_truncate(sub, "public.t", "public.t", ["id"], 1, peer))
+            sub.commit()
+
+    applier = threading.Thread(target=apply)
+    applier.start()
+    wait_until(lambda: db.scalar("select count(*) from pg_stat_activity where wait_event_type = 'Lock'") == 1)
+    local.commit()  # while the apply waits for the table
+    local.close()
+    applier.join(timeout=30)
+    assert found == [1], found
+    with db.connect() as conn:
+        assert conn.execute("select id, v from t").fetchall() == [(1, "changed on b after")]
+        kinds = conn.execute("select conflict_type, row_key, winner from pgcascade.conflict").fetchall()
+    assert kinds == [("update/truncate", [1], "local")], kinds

@@ -50,8 +50,9 @@ $$;
 -- A peer's TRUNCATE (the staged event ev_id of its batch at `tick`), applied by the rules above:
 -- the rows the peer had not seen are judged by `winner` (the policy's SQL expression over
 -- conflict, local_t, local_origin, local_time, ev_data, remote_time: replica/conflicts.py), the
--- others go.  When none stays, a real TRUNCATE (captured here as one, for the leaves); else a
--- DELETE of the rest.  Then the row versions it covers go, and it becomes the table's
+-- others go, under an EXCLUSIVE lock of the table taken first (local writes wait, as for a
+-- TRUNCATE; reads go on).  When none stays, a real TRUNCATE (captured here as one, for the
+-- leaves); else a DELETE of the rest.  Then the row versions it covers go, and it becomes the table's
 -- tombstone if it is newer than the one there.
 create or replace function pgcascade.apply_peer_truncate(
     i_peer_queue text, i_peer text, i_self text, i_table text, i_dest regclass, i_keys text[],
@@ -67,6 +68,10 @@ declare
     v_conflicts int8;
     v_first record;
 begin
+    -- no local write between the judgement and the delete: a transaction that changed a row
+    -- and committed in between (the DELETE or TRUNCATE below waits for it) would lose its
+    -- change here unjudged, while the masters it reaches judge it newer and keep it
+    execute format('lock table %s in exclusive mode', i_dest);
     select coalesce(ev_time, '-infinity') into v_time from pg_temp.pgcascade_stage where ev_id = i_ev_id;
     -- what the peer had applied when it truncated: its markers before the TRUNCATE in this
     -- batch, else as known from the batches before
