@@ -37,7 +37,17 @@ from pgcascade.replica.peer_apply import PEER_SEEN, PEER_SELECT, PEER_TIME, Peer
 
 # APPLY_SETTINGS in one statement (a pipeline takes one statement per call)
 SETTINGS = "select set_config('session_replication_role', 'replica', true), set_config('synchronous_commit', 'on', true)"
-SMALL_BATCH = 2000  # events of a batch applied in one round trip, from memory
+SMALL_BATCH = 2000  # events of a batch applied in one round trip, from memory,
+SMALL_EVENT = 16384  # each of at most this many bytes of data (memory stays bounded)
+# the peer's own events and the DDL it passed on (worker.py waits for its origin), a larger
+# event's type left out (null: the batch goes step by step)
+SMALL_SELECT = (
+    "select ev_id, ev_txid, case when coalesce(octet_length(ev_data), 0) <= {size} then ev_type end,"
+    " case when coalesce(octet_length(ev_data), 0) <= {size} then ev_data end,"
+    " ev_extra1, ev_time, ev_extra2, ev_extra3, ev_extra4"
+    " from (select {peer} from ({batch}) b where ev_extra4 is null or ev_type = 'EXECUTE')"
+    " e (ev_id, ev_txid, ev_type, ev_data, ev_extra1, ev_time, ev_extra2, ev_extra3, ev_extra4) limit {limit}"
+)
 REFUSED = ("PCB01", "PCB02")  # pgcascade.peer_batch_begin: go step by step
 FAST_TYPES = frozenset({"I", "U", "D", PEER_SEEN})
 STAGE_ARRAYS = (
@@ -83,20 +93,25 @@ def apply_batch(
                 return node, apply_in_one(sub, prov, node, info, appliers, state, events, snapshot)
             except psycopg.Error as e:
                 if e.sqlstate not in REFUSED:
-                    raise
+                    for a in appliers.values():  # composed again: a table's columns may have changed
+                        a.peer_sql.clear()
+                    if isinstance(e, psycopg.OperationalError):
+                        raise  # applied again at once (40001, a deadlock), or the connection is gone
+                # else step by step, which says which table failed and why
     return apply_step_by_step(sub, prov, node, info, appliers, prov_logical, state, snapshot)
 
 
 def small_batch(prov: psycopg.Connection, info: BatchInfo, prov_logical: bool) -> list[tuple] | None:
-    """The peer's own events of the batch, when there are at most SMALL_BATCH and only row
-    changes and markers among them; else None."""
+    """The peer's own events of the batch, when there are at most SMALL_BATCH, each of at most
+    SMALL_EVENT bytes, and only row changes and markers among them; else None."""
     assert info.batch_id is not None
     batch_sql = info.event_sql or q.batch_event_sql(prov, info.batch_id)
     rows = prov.execute(
-        sql.SQL("select {} from ({}) b where ev_extra4 is null or ev_type = 'EXECUTE' limit {}").format(
-            sql.SQL(PEER_SELECT.format(PEER_TIME[prov_logical])),
-            sql.SQL(batch_sql),  # composed by the provider's own function, with quoted literals
-            sql.Literal(SMALL_BATCH + 1),
+        sql.SQL(SMALL_SELECT).format(
+            peer=sql.SQL(PEER_SELECT.format(PEER_TIME[prov_logical])),
+            batch=sql.SQL(batch_sql),  # composed by the provider's own function, with quoted literals
+            size=sql.Literal(SMALL_EVENT),
+            limit=sql.Literal(SMALL_BATCH + 1),
         )
     ).fetchall()
     if len(rows) > SMALL_BATCH or any(r[2] not in FAST_TYPES for r in rows):
