@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import math
 import os
 import re
 import shlex
@@ -402,7 +403,10 @@ def workload(s: System, m: Masters, seconds: int, hot: int, rate: int | None) ->
     lag = {}
     for i in range(2):
         lags = lag_values(sent[i], seen[i])
-        lag[f"{NAMES[i]}->{NAMES[1 - i]}"] = (statistics.median(lags), percentile(lags, 0.95))
+        # none arrived while polling (a loaded machine): longer than the run, shown as inf
+        lag[f"{NAMES[i]}->{NAMES[1 - i]}"] = (
+            (statistics.median(lags), percentile(lags, 0.95)) if lags else (math.inf, math.inf)
+        )
     return RunFigures((tps[0], tps[1]), lag, converge, equal, s.conflicts(m) - conflicts_before, seconds)
 
 

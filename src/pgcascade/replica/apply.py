@@ -154,7 +154,7 @@ class TableApplier:
     column_list: list[str] | None = None  # add-table --columns
     unique_at_provider: bool = False  # the provider's key is unique: update-then-insert is exact
     # a two-way peer's apply statements, by (peer, this master, policy): replica/peer_apply.py
-    peer_sql: dict[tuple[str, str, str], bytes] = field(default_factory=dict, repr=False)
+    peer_sql: dict[tuple[str, str, str], tuple[bytes, bytes]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(
@@ -426,7 +426,10 @@ def apply_peer_tables(
     statements = [(a, peer_apply.statement(sub, a, peer)) for a in appliers]
     try:
         with sub.pipeline():
-            results = [sub.execute(stmt, peer_apply.params(a, lo, hi, peer)) for a, stmt in statements]
+            results = []
+            for a, (lock, stmt) in statements:
+                sub.execute(lock, peer_apply.params(a, lo, hi, peer))
+                results.append(sub.execute(stmt, peer_apply.params(a, lo, hi, peer)))
     except psycopg.Error as e:
         for a in appliers:  # composed again next time: a table's columns may have changed
             a.peer_sql.clear()

@@ -159,7 +159,10 @@ def apply_in_one(
         )
         if events:
             sub.execute(STAGE_ARRAYS, [list(col) for col in zip(*events, strict=True)])
-        results = [sub.execute(stmt, peer_apply.params(a, 0, MAX_EV_ID, peer)) for a, stmt in todo]
+        results = []
+        for a, (lock, stmt) in todo:
+            sub.execute(lock, peer_apply.params(a, 0, MAX_EV_ID, peer))
+            results.append(sub.execute(stmt, peer_apply.params(a, 0, MAX_EV_ID, peer)))
         bookkeeping(sub, node, peer, info.cur_tick_id, snapshot)
         seqs = sub.execute(subscriber_seqs.SEQS, (node.queue_name,))
     stats.conflicts = sum(int(row[0]) for cur in results if (row := cur.fetchone()) is not None)
