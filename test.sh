@@ -24,4 +24,7 @@ fi
 .venv/bin/lint-imports --no-cache
 .venv/bin/python scripts/reference.py --check
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
-exec .venv/bin/pytest "${paths[@]}" "$@"
+# two xdist workers, a module's tests on one of them (its module-scoped clusters and Spark are
+# made once): the tests mostly wait on daemons, so two run in about 60% of the time of one;
+# PGCASCADE_TEST_WORKERS=0 runs them in this process
+exec .venv/bin/pytest -n "${PGCASCADE_TEST_WORKERS:-2}" --dist loadscope "${paths[@]}" "$@"

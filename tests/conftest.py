@@ -48,6 +48,15 @@ def pytest_runtest_makereport(item, call):
     return rep
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With PGCASCADE_TEST_LOG=FILE, append each test's outcome and time as it ends (a run cut
+    short, or one spread over xdist workers, still says which test failed and what took long)."""
+    path = os.environ.get("PGCASCADE_TEST_LOG")
+    if path and not os.environ.get("PYTEST_XDIST_WORKER") and (report.when == "call" or report.failed):
+        with open(path, "a") as f:
+            f.write(f"{report.outcome} {report.when} {report.duration:.1f}s {report.nodeid}\n")
+
+
 def _failed(request: pytest.FixtureRequest) -> bool:
     return any(
         getattr(request.node, f"rep_{w}", None) is not None and getattr(request.node, f"rep_{w}").failed
