@@ -14,9 +14,10 @@ import time
 import psycopg
 import pytest
 from conftest import query_checksum as checksum
-from conftest import table_checksum
+from conftest import run_cli, table_checksum
 from test_cascade import cascade  # noqa: F401 (a fixture)
 from test_replication import PGBENCH_TABLES, pgbench, pgbench_init
+from test_two_way import make_tables, two_way  # noqa: F401 (a fixture)
 
 from pgcascade.core.config import load_config
 from pgcascade.pipeline import commands
@@ -524,3 +525,56 @@ def test_filtered_and_partitioned_tables_spark_copy_compare_and_repair(replica, 
     assert f"{ORDERS}: rows {eu}, missing 0, extra 0, different 0: ok" in out.stdout, out.stdout
     n = r.root.scalar("select count(*) from events")
     assert f"{EVENTS}: rows {n}, missing 0, extra 0, different 0: ok" in out.stdout, out.stdout
+
+
+def test_repair_on_a_two_way_master_reaches_its_leaf(two_way, make_db, tmp_path, spark, capsys):
+    """Masters a and b, a leaf under a, the same drift planted on a and on the leaf (uncaptured,
+    unprotected): `repair --apply` on a, against its peer b, leaves a, b and the leaf
+    equal - a's own capture sent the fix on - and `compare` on the leaf exits 0."""
+    a, b = (two_way.add_master(n, make_db(n)) for n in ("a", "b"))
+    for m in (a, b):
+        make_tables(m, "accounts")
+        m.execute("insert into accounts select i, i, 'seed' from generate_series(1, 500) i")
+        m.cli("add-table", "accounts")
+    two_way.connect_all()
+    leaf_db = make_db("b")
+    leaf_ini = tmp_path / "leaf.ini"
+    leaf_ini.write_text(
+        f"[pgcascade]\njob_name = leaf\ndb = {leaf_db.connstr}\nqueue_name = tw_a\n"
+        f"logfile = {tmp_path}/leaf.log\npidfile = {tmp_path}/leaf.pid\nloop_delay = 0.2\n"
+    )
+    for args in (("create-leaf", "leaf", "--provider", a.db.connstr), ("add-table", "accounts", "--create")):
+        r = run_cli(str(leaf_ini), *args)
+        assert r.returncode == 0, r.stderr
+    two_way.start()
+    two_way.daemons.start(str(leaf_ini), "worker")
+    a.execute("update accounts set balance = balance + 1 where id <= 50")  # a change that travels
+    a.cli("wait-sync", "--timeout", "120")
+    assert run_cli(str(leaf_ini), "wait-sync", "--timeout", "120").returncode == 0
+    drift = (
+        "delete from accounts where id between 11 and 15",
+        "update accounts set note = 'drift' where id between 21 and 25",
+        "insert into accounts values (100001, 7, 'extra')",
+    )
+    with a.db.connect() as conn, conn.transaction():  # a master captures in replica mode too
+        conn.execute("alter table accounts disable trigger user")
+        for s in drift:
+            conn.execute(s)
+        conn.execute("alter table accounts enable trigger user")
+    with leaf_db.connect() as conn:
+        conn.execute("set session_replication_role = replica")  # past the protection trigger
+        for s in drift:
+            conn.execute(s)
+    assert table_checksum(leaf_db, "accounts") != table_checksum(b.db, "accounts")
+    # the repair's config: master a, reading its peer b's queue (b is the provider it compares with)
+    repair_ini = tmp_path / "a_from_b.ini"
+    repair_ini.write_text(a.ini.read_text().replace("queue_name = tw_a", "queue_name = tw_b"))
+    assert commands.repair(load_config(repair_ini), [], None, True, progress=False) == 0
+    assert "DIFFERENT" in capsys.readouterr().out
+    a.cli("wait-sync", "--timeout", "120")
+    assert run_cli(str(leaf_ini), "wait-sync", "--timeout", "120").returncode == 0
+    want = table_checksum(b.db, "accounts")
+    assert table_checksum(a.db, "accounts") == want
+    assert table_checksum(leaf_db, "accounts") == want
+    assert commands.compare(load_config(leaf_ini), [], progress=False) == 0
+    assert "DIFFERENT" not in capsys.readouterr().out
