@@ -62,6 +62,12 @@ class PeerBatch:
     policy: str
     policies: dict[str, str]  # per-table policies
 
+    @classmethod
+    def of(cls, node: nodes.Node, tick: int, policy: str, policies: dict[str, str]) -> PeerBatch:
+        """The batch at `tick` of the peer subscription `node`."""
+        assert node.provider_node is not None and node.peer_of is not None
+        return cls(node.queue_name, node.provider_node, node.node_name, node.peer_of, tick, policy, policies)
+
 
 def peer_batch(sub: psycopg.Connection, node: nodes.Node, tick: int) -> PeerBatch | None:
     """In the transaction of a batch of `node`'s queue: a two-way peer's batch is written as the
@@ -72,14 +78,8 @@ def peer_batch(sub: psycopg.Connection, node: nodes.Node, tick: int) -> PeerBatc
         return None
     assert node.provider_node is not None and node.peer_of is not None
     sub.execute("select pgcascade.peer_apply_begin(%s, %s)", (node.peer_of, node.provider_node))
-    return PeerBatch(
-        node.queue_name,
-        node.provider_node,
-        node.node_name,
-        node.peer_of,
-        tick,
-        node.conflict_policy or DEFAULT_POLICY,
-        peer_policies(sub, node.queue_name),
+    return PeerBatch.of(
+        node, tick, node.conflict_policy or DEFAULT_POLICY, peer_policies(sub, node.queue_name)
     )
 
 

@@ -67,6 +67,11 @@ class PeerState:
     policies: dict[str, str] | None = None
     policies_hash: str | None = None
 
+    def batch(self, node: nodes.Node, tick: int) -> PeerBatch:
+        """The peer's batch at `tick`, applied by these policies."""
+        assert self.policies is not None
+        return PeerBatch.of(node, tick, self.policy, self.policies)
+
 
 def apply_batch(
     sub: psycopg.Connection,
@@ -132,15 +137,7 @@ def apply_in_one(
     """The small batch `events` in one round trip (the module's docstring)."""
     assert info.cur_tick_id is not None and node.peer_of is not None and node.provider_node is not None
     assert state.policies is not None
-    peer = PeerBatch(
-        node.queue_name,
-        node.provider_node,
-        node.node_name,
-        node.peer_of,
-        info.cur_tick_id,
-        state.policy,
-        state.policies,
-    )
+    peer = state.batch(node, info.cur_tick_id)
     stats = BatchStats(count=len(events))
     rows = Counter(e[4] for e in events if e[2] != PEER_SEEN)
     todo = []
@@ -200,15 +197,7 @@ def apply_step_by_step(
             return now, None
         state.policy, state.policies = now.conflict_policy or DEFAULT_POLICY, dict(policies.fetchall())
         state.policies_hash = (policies_hash.fetchone() or (None,))[0]
-        peer = PeerBatch(
-            node.queue_name,
-            node.provider_node,
-            node.node_name,
-            node.peer_of,
-            info.cur_tick_id,
-            state.policy,
-            state.policies,
-        )
+        peer = state.batch(node, info.cur_tick_id)
         stage_batch(prov, sub, info, peer=True, peer_logical=prov_logical)
         await_origins(sub, node, info.cur_tick_id)
         stats = apply_staged(sub, appliers, queue=node.queue_name, peer=peer, ddl=DdlReplay(node).replay)
