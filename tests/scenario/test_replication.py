@@ -344,3 +344,69 @@ def test_table_removed_on_the_root_leaves_the_subscriber(replica):
             1
         ]  # the table and its rows stay
         conn.execute("insert into t2 values (3)")  # and it is an ordinary table again
+
+
+@pytest.mark.parametrize("point", ["fetched", "applied"])
+def test_worker_killed_after_its_fetch_or_its_commit_applies_once(bench_replica, point):
+    """The worker's fetch finishes the last batch, ticks the root and opens the next batch in one
+    provider transaction; a small batch is then applied and committed in one round trip, and
+    finished with the next fetch.  SIGKILLed right after the fetch (the tick made, nothing
+    applied), or right after the commit (applied, still open on the root), the restarted worker
+    applies every change once: after the commit it finds its own record ahead and resumes."""
+    r = bench_replica
+    r.start_ticker()
+    load = pgbench(r.root, "-c", "2", "-j", "2", "-T", "8", "-R", "200")
+    pause = {"PGCASCADE_PAUSE_AT": point, "PGCASCADE_PAUSE_MIN_EVENTS": "1"}
+    for _ in range(3):
+        worker = r.start_worker(env=pause)
+        paused = f"pause point {point} (pid {worker.pid})"
+        wait_until(lambda paused=paused: paused in r.log(), 60, what=paused)
+        r.daemons.kill(worker)
+    r.start_worker()
+    assert load.wait(timeout=60) == 0, load.stderr.read()
+    r.wait_sync()
+    r.assert_equal(*PGBENCH_TABLES)
+    assert_applied_once(r)
+    if point == "applied":
+        assert "we applied up to" in r.log(), "the root had the batch open: the leaf's record must win"
+
+
+def test_leaf_crash_takes_back_unwritten_commits_and_they_are_applied_again(bench_replica):
+    """A leaf commits its batches without waiting for the WAL flush.  With its WAL writer
+    stopped, the commits of a burst stay in memory while the worker finishes their batches on
+    the root and reports its watermark; then the leaf crashes (its WAL writer SIGKILLed) and
+    loses them.  The root still has those ticks - the watermark counts only flushed commits -
+    so the worker applies them again, once."""
+    r = bench_replica
+    r.ini("leaf", r.leaf, parallel_copies=2, watermark_period=0.1)
+    r.start_ticker()
+    worker = r.start_worker()
+    r.wait_sync()
+    with r.leaf.connect() as conn:
+        walwriter = conn.execute(
+            "select pid from pg_stat_activity where backend_type = 'walwriter'"
+        ).fetchone()[0]
+    os.kill(walwriter, signal.SIGSTOP)
+    try:
+        load = pgbench(r.root, "-c", "2", "-j", "2", "-T", "2", "-R", "200")
+        assert load.wait(timeout=60) == 0, load.stderr.read()
+        r.wait_sync()
+        applied = r.leaf.scalar("select last_tick from pgcascade.node")
+        time.sleep(3)  # watermark reports; the root's maintenance runs behind them
+        r.daemons.kill(worker)
+    finally:
+        os.kill(walwriter, signal.SIGKILL)  # the postmaster restarts the leaf's cluster as after a crash
+    back = wait_until(lambda: _last_tick_after_restart(r), 60, what="the leaf back after its crash")
+    assert back < applied, f"the crash took nothing back ({back} >= {applied}): the test proves nothing"
+    r.start_worker()
+    r.wait_sync()
+    r.assert_equal(*PGBENCH_TABLES)
+    assert_applied_once(r)
+    assert "we applied up to" in r.log()
+
+
+def _last_tick_after_restart(r) -> int | None:
+    try:
+        return r.leaf.scalar("select last_tick from pgcascade.node")
+    except psycopg.OperationalError:
+        return None

@@ -58,6 +58,7 @@ from pgcascade.core.errors import RuntimeFailure, UserError, redact
 from pgcascade.core.hooks import pause_point
 from pgcascade.core.pgconn import one
 from pgcascade.pgq import node as nodes
+from pgcascade.pgq import queue as q
 
 log = logging.getLogger("pgcascade.capture")
 
@@ -281,6 +282,9 @@ class WalCapture(Daemon):
                 (lsn_str(self.last_end), self.last_commit, self.queue),
             )
         if self.events:
+            # the commit group's own tick: its consumers are notified at commit, and wait for
+            # no ticker (a tick counts its own transaction as committed)
+            q.tick_now(self.writer, self.queue)
             pause_point("written-not-committed", events=self.events)
         self.writer.commit()
         if self.skipped:

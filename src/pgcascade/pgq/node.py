@@ -131,6 +131,13 @@ def get_node(conn: psycopg.Connection, queue_name: str) -> Node | None:
         ) from None
 
 
+def node_query(conn: psycopg.Connection, queue_name: str) -> psycopg.Cursor[Node]:
+    """The node row's query, sent: fetched later (a pipeline sends it with others)."""
+    return conn.cursor(row_factory=_node_row).execute(
+        f"select {NODE_COLUMNS} from pgcascade.node where queue_name = %s", (queue_name,)
+    )
+
+
 def require_node(conn: psycopg.Connection, queue_name: str) -> Node:
     node = get_node(conn, queue_name)
     if node is None:

@@ -36,6 +36,12 @@ class BatchInfo:
     event_sql: str | None = None  # the query of the batch's events (next_batch gives it)
     # the later tick's snapshot, if next_batch's statement saw the tick (tick_snapshot if not)
     cur_tick_snapshot: str | None = None
+    # next_batch_events: a small batch's events inline (JSON, see 52_fetch.sql), the row events
+    # per table and the count of the others; and the values of the sequences asked for
+    events: str | None = None
+    row_counts: dict[str, int] | None = None
+    other_events: int | None = None
+    seq_values: list[int | None] | None = None
 
 
 # --- the SQL API, one call each -------------------------------------------------------------
@@ -73,6 +79,11 @@ def ticker(conn: psycopg.Connection, queue: str | None = None) -> int:
     if queue is None:
         return int(scalar(conn, "select pgcascade.ticker()"))
     return int(scalar(conn, "select pgcascade.ticker(%s)", (queue,)))
+
+
+def tick_now(conn: psycopg.Connection, queue: str) -> int | None:
+    """A tick in this transaction, its own events in it (tick_now in 52_fetch.sql)."""
+    return scalar(conn, "select pgcascade.tick_now(%s)", (queue,))
 
 
 def register_consumer(conn: psycopg.Connection, queue: str, consumer: str) -> bool:
@@ -127,6 +138,29 @@ def delayed_tick(
     ).fetchone()
     assert row is not None
     return row[0], row[1]
+
+
+def next_batch_events(
+    conn: psycopg.Connection,
+    queue: str,
+    consumer: str,
+    *,
+    finish: int | None,
+    max_events: int | None,
+    max_tick: int | None,
+    inline_events: int,
+    seqs: list[str] | None = None,
+) -> BatchInfo:
+    """One round trip: finish batch `finish` (if still open), tick the queue if the consumer is
+    caught up and committed events wait, open the next batch and return it - with its events
+    inline when it holds at most `inline_events` event ids - and the values of `seqs`."""
+    with conn.cursor(row_factory=class_row(BatchInfo)) as cur:
+        row = cur.execute(
+            "select * from pgcascade.next_batch_events(%s, %s, %s, %s, %s, true, %s, %s)",
+            (queue, consumer, finish, max_events, max_tick, inline_events, seqs),
+        ).fetchone()
+    assert row is not None
+    return row
 
 
 def resume_at(conn: psycopg.Connection, queue: str, consumer: str, tick: int) -> None:
@@ -229,6 +263,15 @@ def queue_id(conn: psycopg.Connection, queue: str) -> int:
 def exists(conn: psycopg.Connection, queue: str) -> bool:
     row = conn.execute(
         "select exists (select 1 from pgcascade.queue where queue_name = %s)", (queue,)
+    ).fetchone()
+    return bool(row and row[0])
+
+
+def ticks_on_demand(conn: psycopg.Connection, queue: str) -> bool:
+    """Whether the queue ticks when its consumers ask (next_batch_events): it makes its own
+    ticks (not a branch's, which repeats its provider's)."""
+    row = conn.execute(
+        "select not queue_external_ticker from pgcascade.queue where queue_name = %s", (queue,)
     ).fetchone()
     return bool(row and row[0])
 

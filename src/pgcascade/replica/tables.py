@@ -61,15 +61,20 @@ def _table_row(cursor: psycopg.Cursor) -> Callable[[Sequence[Any]], SubscriberTa
 
 
 def tables(conn: psycopg.Connection, queue: str) -> list[SubscriberTable]:
-    with conn.cursor(row_factory=_table_row) as cur:
-        return cur.execute(
-            "select table_name, dest_table, key_columns, state, copy_snapshot::text, copy_tick, copy_pid,"
-            " skip_truncate, local_writes, copy_node, applied_tick, row_filter, column_list"
-            " from pgcascade.subscriber_table"
-            " where queue_name = %s"
-            " order by 1",
-            (queue,),
-        ).fetchall()
+    with tables_query(conn, queue) as cur:
+        return cur.fetchall()
+
+
+def tables_query(conn: psycopg.Connection, queue: str) -> psycopg.Cursor[SubscriberTable]:
+    """The query of `tables`, sent: its rows are fetched later (a pipeline sends it with others)."""
+    return conn.cursor(row_factory=_table_row).execute(
+        "select table_name, dest_table, key_columns, state, copy_snapshot::text, copy_tick, copy_pid,"
+        " skip_truncate, local_writes, copy_node, applied_tick, row_filter, column_list"
+        " from pgcascade.subscriber_table"
+        " where queue_name = %s"
+        " order by 1",
+        (queue,),
+    )
 
 
 def get_table(conn: psycopg.Connection, queue: str, table: str) -> SubscriberTable | None:

@@ -1,17 +1,19 @@
 """The worker: replays the provider's batches into this node, exactly once.
 
-Per batch, one subscriber transaction (session_replication_role = replica) holds:
-the check that the batch is not applied yet (node.last_tick), the staged events, their
-set-based apply for the tables in state `ok`, the new last_tick, and the sequences.  Only
-then is the batch finished on the provider.  Dying anywhere leaves either the batch applied
-and recorded (then finished on restart without applying it again) or nothing.
+Each round reads the node and its tables, drives the copy state machine, and fetches the next
+batch in one round trip to the provider (`next_batch_events`: it also finishes the batch
+applied last, and ticks the provider's queue when this consumer is caught up and committed
+changes wait there, so a change waits for no ticker).  The batch's transaction is batch.py's;
+a small one is applied in one round trip (inline.py).  A caught-up worker asks again after a
+millisecond, then less often while nothing comes (a provider that makes its own ticks - a
+branch, a root with logical capture - notifies them, and the worker just waits for that).
 
-A branch also carries the batch: the same transaction inserts every event into its own queue
-(same ids) and makes the provider's tick with the same id, so every node with a queue presents
-identical batches and a subscriber can move to any of them.  After its batches the worker
-reports its watermark (the lowest tick it and the nodes below it need) to the provider.  A
-root's worker replays the queues of its two-way peers (a worker per peer subscription, in
-this process), or waits: a takeover may make the node a branch.
+A branch carries every batch into its own queue (same ids, same tick ids), so every node with a
+queue presents identical batches and a subscriber can move to any of them.  After its batches
+the worker reports its watermark (the lowest tick it and the nodes below it need, and of a
+leaf that commits asynchronously only what its disk holds) to the provider.  A root's worker
+replays the queues of its two-way peers (a worker per peer subscription, in this process), or
+waits: a takeover may make the node a branch.
 
 Between batches the worker drives the copy state machine (seed 000), owning the states NULL
 and wanna-sync:T (copies.py); the copy processes it launches own the others (copy.py):
@@ -33,36 +35,33 @@ import time
 import psycopg
 
 from pgcascade.capture import logical as walcapture
-from pgcascade.capture import tables as set_tables
 from pgcascade.core import metrics, pgconn, privileges
 from pgcascade.core.config import JobConfig
 from pgcascade.core.daemon import Daemon
 from pgcascade.core.daemonlock import DaemonRole
 from pgcascade.core.errors import UserError
+from pgcascade.core.hooks import pause_point
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
-from pgcascade.pgq.queue import BatchInfo
-from pgcascade.replica import peer_worker
+from pgcascade.replica import inline, peer_worker
 from pgcascade.replica import seqs as subscriber_seqs
 from pgcascade.replica import tables as subscriber
 from pgcascade.replica.apply import (
-    APPLY_SETTINGS,
-    STAGE_TABLE,
-    BatchStats,
     TableApplier,
-    apply_staged,
     ensure_stage,
-    merge_staged,
-    stage_batch,
 )
+from pgcascade.replica.batch import Batches, BatchPhases
 from pgcascade.replica.copies import CopyLauncher
 from pgcascade.replica.copy import BulkCopier
-from pgcascade.replica.ddl import DdlReplay, PeerBehind, forget_tables_left
+from pgcascade.replica.ddl import PeerBehind
 from pgcascade.replica.delay import ApplyDelay
-from pgcascade.replica.parallel import ParallelApply, ahead_of, left_out
+from pgcascade.replica.parallel import ParallelApply, ahead_of
 from pgcascade.replica.state import Phase
 
 log = logging.getLogger("pgcascade.replay")
+
+INLINE_EVENTS = 2000  # a batch of at most this many event ids comes inline with next_batch_events
+POLL_MIN, POLL_MAX = 0.001, 0.05  # a caught-up worker asks again after this long, doubling while idle
 
 
 def batch_cap(tables: list[subscriber.SubscriberTable], applied: int | None) -> int | None:
@@ -71,23 +70,7 @@ def batch_cap(tables: list[subscriber.SubscriberTable], applied: int | None) -> 
     return min((c for c in caps if c > (applied or 0)), default=None)
 
 
-class BatchPhases:
-    """Where a batch's time went, for its stats line: seconds per phase, in order."""
-
-    def __init__(self, started: float):
-        self.last = started
-        self.seconds: dict[str, float] = {}
-
-    def mark(self, phase: str) -> None:
-        now = time.monotonic()
-        self.seconds[phase] = now - self.last
-        self.last = now
-
-    def __str__(self) -> str:
-        return ", ".join(f"{k}: {v:.3f}" for k, v in self.seconds.items())
-
-
-class Worker(Daemon):
+class Worker(Batches, Daemon):
     name = "worker"
     lock_role = DaemonRole.WORKER  # its copy processes and peer workers take none
 
@@ -116,6 +99,13 @@ class Worker(Daemon):
         self.peer_state = peer_worker.PeerState()  # a peer subscription's, between its batches
         self.retry_at = 0.0  # a peer's worker after an error: not before then
         self.backoff = self.single_ticks_until = 0.0  # a peer waiting for DDL: a tick per batch until
+        # (provider, batch): applied here, finished on that provider with the next fetch
+        self.unfinished: tuple[str | None, int] | None = None
+        self.polls = False  # the provider's queue ticks when its consumers ask (trigger capture)
+        self.poll_delay = POLL_MIN
+        self.durability = inline.Durability.new()
+        self.seqs: list[tuple[str, str]] = []  # followed sequences (name, here), read every watermark_period
+        self.fresh: tuple[nodes.Node, list[subscriber.SubscriberTable]] | None = None
         self.delay = ApplyDelay()  # a delayed leaf (apply_delay)
 
     def reload(self) -> None:
@@ -127,14 +117,25 @@ class Worker(Daemon):
             w.reload()
 
     # --- connections ---
-    def connect(self) -> tuple[psycopg.Connection, psycopg.Connection | None, nodes.Node]:
-        """Both connections; the provider's is None while this node is the root (a root's
-        worker waits, in case a takeover makes it a branch)."""
+    def connect(
+        self, known: nodes.Node | None = None
+    ) -> tuple[psycopg.Connection, psycopg.Connection | None, nodes.Node]:
+        """Both connections and the node (`known`: read at the end of the last round); the
+        provider's is None while this node is the root (a root's worker waits, in case a
+        takeover makes it a branch)."""
         if self.sub is None or self.sub.closed:
             self.sub = pgconn.connect(self.db, autocommit=True, connect_timeout=10)
             self.sub.execute("set application_name = 'pgcascade worker'")
             ensure_stage(self.sub)
-        node = nodes.require_node(self.sub, self.queue)
+            # what this node recorded before is durable once the WAL written so far is flushed
+            self.durability = inline.Durability.new()
+            tick, lsn = self.sub.execute(
+                "select last_tick, pg_current_wal_insert_lsn()::text from pgcascade.node where queue_name = %s",
+                (self.queue,),
+            ).fetchone() or (None, None)
+            if tick is not None:
+                self.durability.committed(tick, lsn)
+        node = known or nodes.require_node(self.sub, self.queue)
         if node.provider_node != self.prov_node and self.prov is not None:
             log.info("provider is now %s (was %s)", node.provider_node, self.prov_node)
             self.prov.close()
@@ -149,8 +150,14 @@ class Worker(Daemon):
             # need not wait for a WAL flush: a crash that takes one back is recovered from
             # this node's own durable record (resume_at), so the round trips stay short
             self.prov.execute("set synchronous_commit = off")
+            self.prov.execute("set application_name = 'pgcascade worker'")
             q.listen(self.prov)
             self.prov_node = node.provider_node
+            # a root with trigger capture ticks when its consumers ask: poll it; other
+            # providers tick on their own (the capture daemon, a branch's worker) and notify
+            self.polls = q.ticks_on_demand(self.prov, self.queue) and not walcapture.is_logical(
+                self.prov, self.queue
+            )
             # a two-way peer's capture mode decides which commit time its events carry
             self.prov_logical = node.is_peer and walcapture.is_logical(self.prov, self.queue)
         return self.sub, self.prov, node
@@ -166,8 +173,9 @@ class Worker(Daemon):
         self.prov_node = None
 
     def sleep(self, seconds: float) -> None:
-        """Wait for the provider's next tick (NOTIFY), at most `seconds`; a delayed leaf, until
-        its next tick is old enough."""
+        """Wait for the provider's next tick (NOTIFY), at most `seconds` - or, where this worker
+        makes the ticks (`polls`), at most its poll delay.  Ticks it made itself do not count.
+        A delayed leaf waits until its next tick is old enough."""
         if self.delay.due_in is not None:
             try:
                 self.delay.sleep(self.prov, seconds, lambda: self.stop_requested or self.reload_requested)
@@ -178,9 +186,12 @@ class Worker(Daemon):
             self.sleep_on_peers(seconds)
             return
         if self.prov is not None and not self.prov.closed:
+            deadline = time.monotonic() + (min(seconds, self.poll_delay) if self.polls else seconds)
+            me = self.prov.info.backend_pid
             try:
-                for _ in self.prov.notifies(timeout=seconds, stop_after=1):
-                    pass
+                while (left := deadline - time.monotonic()) > 0:
+                    if any(n.pid != me for n in self.prov.notifies(timeout=left, stop_after=1)):
+                        return
                 return
             except psycopg.Error:
                 self.drop_connections()
@@ -205,7 +216,8 @@ class Worker(Daemon):
 
     # --- the loop ---
     def work(self) -> bool:
-        sub, prov, node = self.connect()
+        fresh, self.fresh = self.fresh, None  # after a batch applied in one round trip
+        sub, prov, node = self.connect(fresh[0] if fresh else None)
         self.delay.check(self.cfg, sub, node)
         if prov is None:
             return self.work_peers(sub) if node.role.is_root else False
@@ -217,7 +229,7 @@ class Worker(Daemon):
         if node.combined_queue and not self.combined_is_root(sub, node):
             self.follow_combined(prov, node)
             return False
-        tables = subscriber.tables(sub, self.queue)
+        tables = fresh[1] if fresh else subscriber.tables(sub, self.queue)
         if self.copies.manage(sub, node, tables):
             # read the states again: a table handed over (do-sync) must not be applied
             # past that tick until the copy process says ok
@@ -226,22 +238,40 @@ class Worker(Daemon):
             self.count_tables(node, tables)
         if any(t.state.phase is Phase.DO_SYNC for t in tables):
             return False  # the copy process is catching up to our tick
+        if time.monotonic() >= self.next_watermark:
+            self.seqs = subscriber_seqs.seqs(sub, self.queue)
         cap = min(
             (c for c in (batch_cap(tables, node.last_tick), ahead_of(tables, node.last_tick)) if c),
             default=None,
         )
-        info = q.next_batch(
-            prov,
-            self.queue,
-            node.consumer,
+        max_events = (
             self.cfg.worker.max_batch_events
             if node.role.may_merge_ticks and node.last_tick_past(self.single_ticks_until)
-            else None,
-            self.delay.limit(self.cfg, prov, node, cap),
+            else None
         )
+        max_tick = self.delay.limit(self.cfg, prov, node, cap)
+        if node.is_peer:  # peer_worker.py's batches: its events by query, the tick's snapshot
+            info = q.next_batch(prov, self.queue, node.consumer, max_events, max_tick)
+        else:
+            info = q.next_batch_events(
+                prov,
+                self.queue,
+                node.consumer,
+                finish=self.unfinished[1]
+                if self.unfinished and self.unfinished[0] == self.prov_node
+                else None,
+                max_events=max_events,
+                max_tick=max_tick,
+                inline_events=INLINE_EVENTS,
+                seqs=[s for s, _ in self.seqs] or None,
+            )
+        self.unfinished = None
         if info.batch_id is not None:
+            pause_point("fetched", events=(info.cur_tick_event_seq or 0) - info.prev_tick_event_seq)
             self.process_batch(sub, prov, node, tables, info)
         self.report_watermark(sub, prov, node)
+        # caught up: ask again soon, then less often while nothing comes
+        self.poll_delay = POLL_MIN if info.batch_id is not None else min(2 * self.poll_delay, POLL_MAX)
         return info.batch_id is not None
 
     def work_peers(self, sub: psycopg.Connection) -> bool:
@@ -285,122 +315,6 @@ class Worker(Daemon):
         log.error("peer queue %s: %s (retrying in %.0fs)", queue, str(e).strip(), self.backoff)
         self.report_error(e)
 
-    def process_batch(
-        self,
-        sub: psycopg.Connection,
-        prov: psycopg.Connection,
-        node: nodes.Node,
-        tables: list[subscriber.SubscriberTable],
-        info: BatchInfo,
-    ) -> None:
-        started = time.monotonic()
-        assert info.cur_tick_id is not None
-        done = left_out(tables, info.cur_tick_id)  # by a parallel apply cut short
-        appliers = {t: a for t, a in self.appliers_for(sub, prov, tables).items() if t not in done}
-        self.phases = BatchPhases(started)
-        if node.is_peer:
-            self.use_peer_origin(sub, node)
-            now, stats = peer_worker.apply_batch(
-                sub, prov, node, info, appliers, self.prov_logical, self.peer_state
-            )
-            if stats is None and (now.provider_node != node.provider_node or now.node_type != node.node_type):
-                return
-            self.phases.mark("apply")
-        else:
-            with sub.transaction():
-                sub.execute(APPLY_SETTINGS)
-                lanes = None
-                if self.parallel.wanted(node, info):
-                    lanes = self.parallel.apply(sub, prov, self.queue, node, info, appliers)
-                    self.phases.mark("lanes")
-                now = nodes.lock_node(sub, self.queue)
-                if now.provider_node != node.provider_node or now.node_type != node.node_type:
-                    return  # moved (change-provider, takeover) since this round began: start again
-                stats = None
-                if now.last_tick is None or now.last_tick == info.prev_tick_id:
-                    stats = self.apply_batch(sub, prov, node, tables, info, appliers, rows_applied=lanes)
-        if stats is None:
-            # the batch does not start where this node's durable record says it is (it was
-            # applied and the provider lost its finish_batch in a crash, or cut the batch
-            # differently after one): go by our record, never apply anything twice
-            assert now.last_tick is not None
-            log.info(
-                "provider had us at tick %d, we applied up to %d: resuming there",
-                info.prev_tick_id,
-                now.last_tick,
-            )
-            q.resume_at(prov, self.queue, node.consumer, now.last_tick)
-            return
-        assert info.batch_id is not None and info.cur_tick_id is not None
-        self.phases.mark("commit")
-        q.finish_batch(prov, info.batch_id)
-        self.phases.mark("finish")
-        if stats.executed:
-            self.applier_key = ()  # DDL ran: read the tables' definitions again
-        duration = time.monotonic() - started
-        log.info(
-            "{count: %d, ignored: %d, duration: %.3f, %s%s}",
-            stats.count,
-            stats.ignored,
-            duration,
-            self.phases,
-            f", conflicts: {stats.conflicts}" if node.is_peer else "",
-        )
-        if self.metrics:
-            labels = (self.queue, node.node_name)
-            metrics.BATCHES.labels(*labels).inc()
-            metrics.EVENTS.labels(*labels).inc(stats.count)
-            metrics.BATCH_SECONDS.labels(*labels).observe(duration)
-            metrics.APPLIED_TICK.labels(*labels).set(info.cur_tick_id)
-
-    def apply_batch(
-        self,
-        sub: psycopg.Connection,
-        prov: psycopg.Connection,
-        node: nodes.Node,
-        tables: list[subscriber.SubscriberTable],
-        info: BatchInfo,
-        appliers: dict[str, TableApplier],
-        rows_applied: BatchStats | None = None,
-    ) -> BatchStats:
-        """Inside the batch's transaction: stage, carry (a branch), apply, record the tick.
-        `rows_applied`: the lanes of a parallel apply did the row events and staged the rest."""
-        assert info.batch_id is not None and info.cur_tick_id is not None
-        carry = node.role.copies_events or bool(node.combined_queue)
-        self.phases.mark("prepare")
-        if rows_applied is None:
-            stage_batch(prov, sub, info, carry=carry)
-            self.phases.mark("stage")
-        if node.combined_queue:
-            self.drop_partition_truncates(sub)
-        elif carry:
-            q.carry_events(sub, self.queue, STAGE_TABLE)
-        stats = apply_staged(sub, appliers, queue=self.queue, ddl=DdlReplay(node).replay)
-        if rows_applied is not None:
-            stats.add(rows_applied)
-        self.phases.mark("apply")
-        if node.combined_queue:
-            merge_staged(sub, node.combined_queue, self.queue, info.cur_tick_id, list(appliers))
-        if stats.table_list is not None:
-            self.drop_tables_left_the_set(sub, prov, stats.table_list)
-            if node.role.copies_events:
-                set_tables.mirror_set_tables(sub, self.queue, set_tables.set_table_rows(prov, self.queue))
-        if node.role.copies_events:
-            q.branch_tick(sub, self.queue, info.cur_tick_id, info.cur_tick_time, info.cur_tick_event_seq)
-        nodes.record_applied(sub, self.queue, info.cur_tick_id)
-        subscriber_seqs.sync_sequences(prov, sub, self.queue)
-        self.phases.mark("record")
-        return stats
-
-    def use_peer_origin(self, sub: psycopg.Connection, node: nodes.Node) -> None:
-        """With logical capture here, a peer's batches are applied under the peer's replication
-        origin (for the rest of the session), which is how the capture tells these changes."""
-        if self.origin_session is not sub:
-            assert node.peer_of is not None and node.provider_node is not None
-            if walcapture.is_logical(sub, node.peer_of):
-                walcapture.use_origin(sub, walcapture.peer_origin(node.provider_node))
-            self.origin_session = sub
-
     # --- a merge-leaf (combined partitions) ---
     def combined_is_root(self, sub: psycopg.Connection, node: nodes.Node) -> bool:
         assert node.combined_queue is not None
@@ -415,13 +329,6 @@ class Worker(Daemon):
         if node.last_tick and pos and pos[0] < node.last_tick:
             q.resume_at(prov, self.queue, node.consumer, node.last_tick)
 
-    @staticmethod
-    def drop_partition_truncates(sub: psycopg.Connection) -> None:
-        """A partition's TRUNCATE would empty the merged table of every partition: not applied."""
-        n = sub.execute(f"delete from {STAGE_TABLE} where ev_type = 'R'").rowcount
-        if n:
-            log.warning("merge-leaf: %d TRUNCATE events of the partition not applied to the merged tables", n)
-
     def report_watermark(self, sub: psycopg.Connection, prov: psycopg.Connection, node: nodes.Node) -> None:
         """Tell the provider the lowest tick this node and the nodes below it still need (at
         most every watermark_period): the root keeps its history back to the lowest of all."""
@@ -429,7 +336,12 @@ class Worker(Daemon):
         if now < self.next_watermark:
             return
         self.next_watermark = now + self.cfg.worker.watermark_period
-        wm = nodes.local_watermark(sub, self.queue)
+        wm, flushed = sub.execute(
+            "select pgcascade.local_watermark(%s), pg_current_wal_flush_lsn()::text", (self.queue,)
+        ).fetchone() or (None, None)
+        if self.commits_async(node) and wm is not None:
+            durable = self.durability.flushed(flushed)  # never a tick a crash here could take back
+            wm = None if durable is None else min(wm, durable)
         if wm is not None:
             nodes.set_subscriber_watermark(prov, self.queue, node.node_name, wm)
         if self.metrics:
@@ -454,29 +366,6 @@ class Worker(Daemon):
         for phase, n in counts.items():
             metrics.TABLES.labels(self.queue, node.node_name, phase.value).set(n)
 
-    def drop_tables_left_the_set(
-        self, sub: psycopg.Connection, prov: psycopg.Connection, in_set: list[str]
-    ) -> None:
-        """The root removed tables from the set (a T event): unregister them here too."""
-        gone = forget_tables_left(sub, self.queue, in_set, set(set_tables.set_tables(prov, self.queue)))
-        if gone:
-            self.applier_key = ()
-            log.info("removed from the set by the root: %s", ", ".join(gone))
-
-    def appliers_for(
-        self, sub: psycopg.Connection, prov: psycopg.Connection, tables: list[subscriber.SubscriberTable]
-    ) -> dict[str, TableApplier]:
-        ok = [t for t in tables if t.state.is_ok]
-        # a table removed and added again with another filter or columns (--expect-sync) is rebuilt too
-        key = tuple((t.table_name, t.dest_table, t.row_filter, str(t.column_list)) for t in ok)
-        if key != self.applier_key:
-            formats = set_tables.event_formats(prov, self.queue)
-            self.appliers = {
-                t.table_name: TableApplier.build(sub, prov, t, formats.get(t.table_name, "json")) for t in ok
-            }
-            self.applier_key = key
-        return self.appliers
-
     def report_error(self, e: Exception) -> None:
         version = self.sub.info.server_version if self.sub is not None and not self.sub.closed else 0
         message = privileges.explain(e, self.db, version)
@@ -491,4 +380,12 @@ class Worker(Daemon):
 
     def shutdown(self) -> None:
         self.copies.stop_all()
+        if (
+            self.unfinished
+            and self.prov is not None
+            and not self.prov.closed
+            and self.unfinished[0] == self.prov_node
+        ):
+            with contextlib.suppress(psycopg.Error):  # else the next start finds it open, and resumes
+                q.finish_batch(self.prov, self.unfinished[1])
         self.drop_connections()

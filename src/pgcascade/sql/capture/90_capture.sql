@@ -60,6 +60,40 @@ language sql stable as $$
                 then row(null, null, current_setting('pgcascade.origin', true), null, null)::pgcascade.event_rare end
 $$;
 
+-- pgcascade.capture_output_settings(table, format) -> the SET clauses a capture function of
+-- the table needs so that what it writes does not depend on the writing session's settings.
+-- Each SET costs every call of the function (the setting is saved, parsed, checked and put
+-- back), so only those the table's types need: a JSON image renders dates and times in ISO
+-- whatever DateStyle (row_to_json), but intervals follow IntervalStyle, floats (and geometric
+-- types) extra_float_digits, bytea bytea_output.  Ranges, types of extensions and the partial
+-- SQL format (every value as its text) get all four.
+create or replace function pgcascade.capture_output_settings(i_table regclass, i_format text) returns text
+language sql stable as $$
+    with recursive t(oid) as (
+        select atttypid from pg_attribute where attrelid = i_table and attnum > 0 and not attisdropped
+        union
+        select x.inner from t join pg_type p on p.oid = t.oid
+          cross join lateral (select p.typbasetype where p.typtype = 'd'
+                              union all select p.typelem where p.typelem <> 0 and p.typsubscript <> 0
+                              union all select a.atttypid from pg_attribute a
+                                         where a.attrelid = p.typrelid and p.typtype = 'c' and a.attnum > 0
+                                           and not a.attisdropped) x("inner")
+    ), kinds as (
+        select bool_or(p.typtype in ('r', 'm') or (p.typtype = 'b' and p.oid >= 16384) or i_format <> 'json') as all_,
+               bool_or(p.oid = 'interval'::regtype) as iv,
+               bool_or(p.oid in ('float4'::regtype, 'float8'::regtype, 'point'::regtype, 'line'::regtype,
+                                 'lseg'::regtype, 'box'::regtype, 'path'::regtype, 'polygon'::regtype,
+                                 'circle'::regtype)) as fl,
+               bool_or(p.oid = 'bytea'::regtype) as by
+          from t join pg_type p on p.oid = t.oid)
+    select case when all_ then ' set datestyle = ''ISO, MDY'' set intervalstyle = postgres'
+                               ' set extra_float_digits = 3 set bytea_output = hex'
+                else concat(case when iv then ' set intervalstyle = postgres' end,
+                            case when fl then ' set extra_float_digits = 3' end,
+                            case when by then ' set bytea_output = hex' end) end
+      from kinds
+$$;
+
 -- pgcascade.capture_functions(queue, table, key_columns, format) -> void.
 -- (Re)creates the table's capture functions for the queue's current state: they insert into
 -- its current partition, or refuse every change while the queue has disable_insert set.  Key
@@ -84,8 +118,7 @@ declare
     -- the row images must not depend on the writing session's output settings: a range of
     -- timestamps in DateStyle 'SQL, DMY', a float with extra_float_digits = 0, an interval in
     -- sql_standard style would reach the subscriber as another value (or none)
-    fn_settings text := ' set datestyle = ''ISO, MDY'' set intervalstyle = postgres'
-                        ' set extra_float_digits = 3 set bytea_output = hex';
+    fn_settings text := pgcascade.capture_output_settings(i_table, i_format);
     -- they run in the application's transactions, whose role may own nothing and have no
     -- rights on schema pgcascade: as their owner, with a search_path no caller can change
     fn_definer text := ' security definer set search_path = pg_catalog, pg_temp';

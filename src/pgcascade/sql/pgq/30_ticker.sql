@@ -10,14 +10,21 @@ declare
     own xid8 := pg_current_xact_id_if_assigned();
     xmax int8 := pg_snapshot_xmax(snap)::text::int8;
     own_n int8 := own::text::int8;
+    xs int8[];
+    x int8;
 begin
     if own is null or own_n < xmax then
         return snap;
     end if;
-    return format('%s:%s:%s', pg_snapshot_xmin(snap), own_n + 1,
-                  (select string_agg(x::text, ',' order by x)
-                     from (select t::text::int8 as x from pg_snapshot_xip(snap) t
-                           union all select generate_series(xmax, own_n - 1)) xs))::pg_snapshot;
+    -- built without a query whose row estimate follows its parameters (one over
+    -- generate_series(xmax, own_n - 1) was planned again at every tick)
+    xs := array(select t::text::int8 from pg_snapshot_xip(snap) t);
+    x := xmax;
+    while x < own_n loop  -- (an integer FOR loop would be int4: xid8 values outgrow it)
+        xs := xs || x;
+        x := x + 1;
+    end loop;
+    return format('%s:%s:%s', pg_snapshot_xmin(snap), own_n + 1, array_to_string(xs, ','))::pg_snapshot;
 end $$;
 
 -- pgcascade.make_tick(queue_id, tick_id, tick_time, event_seq) -> tick_id.

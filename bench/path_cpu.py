@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""The change path's lag and CPU per replicated transaction, by system, at a steady rate.
+
+A diagnostic beside `replication_bench.py` (whose systems, clusters and heartbeat method it
+reuses): two fresh clusters as there (fsync and synchronous_commit on), pgbench scale 10, and
+one system replicating the pgbench tables and the heartbeat with its shipped defaults.  Then
+`pgbench -n -c2 -j2 -R RATE -T SECONDS` (`-N` unless `--tpcb`; `--rate 0`: flat out) runs on
+the provider while the heartbeat lag is measured (W2b's method), and the CPU time of every
+process involved is read from `/proc` before and after: each cluster's server processes
+(backends, walsenders, background processes; exited ones through the postmaster's children
+counters) and the system's own daemons.  CPU per transaction does not depend on the machine's
+other load the way wall-clock figures do, so it is what designs are compared by here.
+
+    .venv/bin/python bench/path_cpu.py [--system pgcascade|pgcascade-logical|native|none]
+                                       [--rate 500] [--seconds 20] [--tpcb] [--rounds 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import replication_bench as rb
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu(pid: int, children: bool = False) -> float:
+    """CPU seconds of a process (with `children`: also of its exited, waited-for children)."""
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    t = int(f[11]) + int(f[12])
+    if children:
+        t += int(f[13]) + int(f[14])
+    return t / TICK
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int(d.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return out
+
+
+def postmaster_pid(c: rb.LocalCluster) -> int:
+    return int((c.datadir / "postmaster.pid").read_text().splitlines()[0])
+
+
+def tree_cpu(pid: int) -> float:
+    """A process and every process below it, exited ones included."""
+    return proc_cpu(pid, children=True) + sum(tree_cpu(c) for c in children_of(pid))
+
+
+class Meter:
+    """CPU seconds of named process trees, between start() and stop()."""
+
+    def __init__(self, pids: dict[str, int]):
+        self.pids = pids
+        self.before: dict[str, float] = {}
+
+    def read(self) -> dict[str, float]:
+        return {k: tree_cpu(p) for k, p in self.pids.items()}
+
+    def start(self) -> None:
+        self.before = self.read()
+
+    def stop(self) -> dict[str, float]:
+        after = self.read()
+        return {k: after[k] - self.before[k] for k in self.pids}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--system", default="pgcascade")
+    ap.add_argument("--rate", type=int, default=500, help="pgbench tps (0: flat out)")
+    ap.add_argument("--seconds", type=int, default=20)
+    ap.add_argument("--tpcb", action="store_true", help="TPC-B-like transactions (W1's), not -N")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--keep-logs", action="store_true")
+    args = ap.parse_args()
+
+    base = Path(tempfile.mkdtemp(prefix="pgcascade-path-cpu-"))
+    os.chmod(base, 0o777)
+    common = {"shared_buffers": "1GB"}
+    prov = rb.new_cluster("provider", basedir=base, fast_unsafe=False, settings=common)
+    sub = rb.new_cluster(
+        "subscriber",
+        basedir=base,
+        fast_unsafe=False,
+        settings={**common, "wal_retrieve_retry_interval": "'100ms'"},
+    )
+    env = rb.Env(prov, sub, base / "work")
+    systems = {
+        "pgcascade": rb.PgCascade,
+        "pgcascade-logical": rb.PgCascadeLogical,
+        "native": rb.Native,
+        "none": rb.NoReplication,
+    }
+    try:
+        rb.make_template(prov, "tmpl10", 10)
+        rb.make_template(sub, "tmpl10", 10)
+        for rnd in range(args.rounds):
+            s = systems[args.system](env)
+            if isinstance(s, rb.PgCascade):
+                s.ticker_settings, s.queue_settings = {}, {}  # the shipped defaults
+            pair = rb.fresh_pair(env, f"p_{rnd}", "tmpl10")
+            try:
+                s.setup(pair, rb.TABLES)
+                time.sleep(2)
+                pids = {"provider": postmaster_pid(prov), "subscriber": postmaster_pid(sub)}
+                for name in ("worker", "ticker", "capture"):
+                    p = getattr(s, name, None)
+                    if p is not None:
+                        pids[name] = p.pid
+                meter = Meter(pids)
+                meter.start()
+                started = time.monotonic()
+                r = lag_or_tps(s, pair, args)
+                secs = time.monotonic() - started
+                cpu = meter.stop()
+                txns = r["tps"] * args.seconds
+                parts = ", ".join(f"{k} {1e6 * v / txns:.0f}" for k, v in cpu.items())
+                total = sum(cpu.values())
+                lag = (
+                    f"lag median {r['median'] * 1000:.1f} ms, p95 {r['p95'] * 1000:.1f}, max {r['max'] * 1000:.1f}; "
+                    if "median" in r
+                    else ""
+                )
+                print(
+                    f"{args.system} round {rnd + 1}: {r['tps']:.0f} tps; {lag}CPU per transaction, µs:"
+                    f" {parts}; all {1e6 * total / txns:.0f} ({total / secs:.2f} cores)",
+                    flush=True,
+                )
+            finally:
+                s.teardown(pair)
+                pair.drop()
+    finally:
+        for c in (prov, sub):
+            c.destroy()
+        if not args.keep_logs:
+            import shutil
+
+            shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+def lag_or_tps(s: rb.System, pair: rb.Pair, args: argparse.Namespace) -> dict:
+    """W2b's heartbeat lag at the rate, or (flat out) pgbench's tps alone."""
+    if args.rate and not args.tpcb and not isinstance(s, rb.NoReplication):
+        return rb.lag_run(s, pair, args.seconds, args.rate)
+    extra = ([] if args.tpcb else ["-N"]) + (["-R", str(args.rate)] if args.rate else [])
+    tps = rb.pgbench_run(pair.env.prov, pair.name, *extra, "-c2", "-j2", f"-T{args.seconds}")
+    return {"tps": tps}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

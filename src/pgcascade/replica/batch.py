@@ -1,0 +1,287 @@
+"""The worker's batch transaction: one provider batch applied on this node, exactly once.
+
+A small, plain batch of a leaf goes in one round trip (inline.py).  Every other batch goes the
+general way, in one subscriber transaction (session_replication_role = replica) that holds:
+the check that the batch is not applied yet (node.last_tick), the staged events, their
+set-based apply for the tables in state `ok`, the new last_tick, and the sequences.  A branch
+also carries the batch: the same transaction inserts every event into its own queue (same
+ids) and makes the provider's tick with the same id.  Dying anywhere leaves either the batch
+applied and recorded or nothing; the provider learns that it is done with the worker's next
+fetch (a worker that dies before gets the same batch back, sees it recorded, and moves on).
+
+`Batches` is the worker's part that does it (a mixin of `worker.Worker`, which owns the
+connections and the loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import psycopg
+
+from pgcascade.capture import logical as walcapture
+from pgcascade.capture import tables as set_tables
+from pgcascade.core import metrics
+from pgcascade.core.config import JobConfig
+from pgcascade.core.errors import db_error_line
+from pgcascade.core.hooks import pause_point
+from pgcascade.core.pgconn import scalar
+from pgcascade.pgq import node as nodes
+from pgcascade.pgq import queue as q
+from pgcascade.pgq.queue import BatchInfo
+from pgcascade.replica import inline, peer_worker
+from pgcascade.replica import tables as subscriber
+from pgcascade.replica.apply import (
+    APPLY_SETTINGS,
+    APPLY_SETTINGS_ASYNC,
+    STAGE_TABLE,
+    BatchStats,
+    TableApplier,
+    apply_staged,
+    merge_staged,
+    stage_batch,
+)
+from pgcascade.replica.ddl import DdlReplay, forget_tables_left
+from pgcascade.replica.parallel import ParallelApply, left_out
+
+log = logging.getLogger("pgcascade.replay")
+
+
+class BatchPhases:
+    """Where a batch's time went, for its stats line: seconds per phase, in order."""
+
+    def __init__(self, started: float):
+        self.last = started
+        self.seconds: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        now = time.monotonic()
+        self.seconds[phase] = now - self.last
+        self.last = now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{k}: {v:.3f}" for k, v in self.seconds.items())
+
+
+class Batches:
+    """A worker's batch transaction (see the module docstring); the worker provides these."""
+
+    cfg: JobConfig
+    queue: str
+    metrics: bool
+    prov_node: str | None
+    prov_logical: bool
+    origin_session: psycopg.Connection | None
+    parallel: ParallelApply
+    phases: BatchPhases
+    appliers: dict[str, TableApplier]
+    applier_key: tuple
+    durability: inline.Durability
+    unfinished: tuple[str | None, int] | None
+    seqs: list[tuple[str, str]]
+    fresh: tuple[nodes.Node, list[subscriber.SubscriberTable]] | None
+    peer_state: peer_worker.PeerState
+
+    def process_batch(
+        self,
+        sub: psycopg.Connection,
+        prov: psycopg.Connection,
+        node: nodes.Node,
+        tables: list[subscriber.SubscriberTable],
+        info: BatchInfo,
+    ) -> None:
+        """Apply the batch in one round trip when it is small and plain (inline.py), else the
+        general way; the provider learns it is done with the next fetch."""
+        started = time.monotonic()
+        assert info.batch_id is not None and info.cur_tick_id is not None
+        done = left_out(tables, info.cur_tick_id)  # by a parallel apply cut short
+        appliers = {t: a for t, a in self.appliers_for(sub, prov, tables).items() if t not in done}
+        self.phases = BatchPhases(started)
+        durable = not self.commits_async(node)
+        stats, lsn = None, None
+        if node.is_peer:
+            self.use_peer_origin(sub, node)
+            now, stats = peer_worker.apply_batch(
+                sub, prov, node, info, appliers, self.prov_logical, self.peer_state
+            )
+            if stats is None:
+                if now.provider_node == node.provider_node and now.node_type == node.node_type:
+                    assert now.last_tick is not None
+                    self.resume(prov, node, info, now.last_tick)
+                return  # (or moved since this round began: start again)
+            self.phases.mark("apply")
+        elif self.applies_inline(node, info, appliers):
+            try:
+                one = inline.apply_batch(sub, self.queue, node, info, appliers, self.seqs, durable)
+                stats, lsn, self.fresh = one.stats, one.lsn, (one.node, one.tables)
+                self.phases.mark("inline")
+            except inline.NotAtRecord as e:
+                self.resume(prov, node, info, e.last_tick)
+                return
+            except inline.Moved:
+                return  # moved (change-provider, takeover) since this round began: start again
+            except psycopg.OperationalError:
+                raise
+            except psycopg.Error as e:  # a unique violation, say: the general path resolves it
+                log.info("batch %d: %s; applying it the general way", info.batch_id, db_error_line(e))
+        if stats is None:
+            stats = self.general_batch(sub, prov, node, tables, info, appliers, durable)
+            if stats is None:
+                return
+            if not durable:
+                lsn = str(scalar(sub, "select pg_current_wal_insert_lsn()::text"))
+        if lsn is not None:
+            self.durability.committed(info.cur_tick_id, lsn)
+        self.unfinished = (self.prov_node, info.batch_id)
+        pause_point("applied", events=stats.count)  # committed here, not finished on the provider
+        if stats.executed:
+            self.applier_key = ()  # DDL ran: read the tables' definitions again
+        duration = time.monotonic() - started
+        log.info(
+            "{count: %d, ignored: %d, duration: %.3f, %s%s}",
+            stats.count,
+            stats.ignored,
+            duration,
+            self.phases,
+            f", conflicts: {stats.conflicts}" if node.is_peer else "",
+        )
+        if self.metrics:
+            labels = (self.queue, node.node_name)
+            metrics.BATCHES.labels(*labels).inc()
+            metrics.EVENTS.labels(*labels).inc(stats.count)
+            metrics.BATCH_SECONDS.labels(*labels).observe(duration)
+            metrics.APPLIED_TICK.labels(*labels).set(info.cur_tick_id)
+
+    @staticmethod
+    def commits_async(node: nodes.Node) -> bool:
+        """A leaf commits its batches without waiting for the WAL flush, as native logical
+        replication's apply does: a crash that takes commits back makes it apply them again
+        (its provider keeps them: see inline.Durability).  Nodes whose queue others read
+        (branches, merge-leaves, two-way masters) commit durably."""
+        return not (node.role.copies_events or node.combined_queue or node.is_peer)
+
+    def applies_inline(self, node: nodes.Node, info: BatchInfo, appliers: dict[str, TableApplier]) -> bool:
+        return (
+            self.commits_async(node) and inline.takes(info, appliers) and not self.parallel.wanted(node, info)
+        )
+
+    def resume(self, prov: psycopg.Connection, node: nodes.Node, info: BatchInfo, last_tick: int) -> None:
+        """The batch does not start where this node's record says it is (it was applied and the
+        provider lost its finish in a crash, or this node lost commits in one): go by our
+        record, never apply anything twice."""
+        log.info(
+            "provider had us at tick %d, we applied up to %d: resuming there", info.prev_tick_id, last_tick
+        )
+        q.resume_at(prov, self.queue, node.consumer, last_tick)
+
+    def general_batch(
+        self,
+        sub: psycopg.Connection,
+        prov: psycopg.Connection,
+        node: nodes.Node,
+        tables: list[subscriber.SubscriberTable],
+        info: BatchInfo,
+        appliers: dict[str, TableApplier],
+        durable: bool,
+    ) -> BatchStats | None:
+        """Stage, carry, apply and record in one transaction; None when nothing was applied."""
+        with sub.transaction():
+            sub.execute(APPLY_SETTINGS if durable else APPLY_SETTINGS_ASYNC)
+            lanes = None
+            if self.parallel.wanted(node, info):
+                lanes = self.parallel.apply(sub, prov, self.queue, node, info, appliers)
+                self.phases.mark("lanes")
+            now = nodes.lock_node(sub, self.queue)
+            if now.provider_node != node.provider_node or now.node_type != node.node_type:
+                return None  # moved (change-provider, takeover) since this round began: start again
+            stats = None
+            if now.last_tick is None or now.last_tick == info.prev_tick_id:
+                stats = self.apply_batch(sub, prov, node, tables, info, appliers, rows_applied=lanes)
+        if stats is None:
+            assert now.last_tick is not None
+            self.resume(prov, node, info, now.last_tick)
+            return None
+        self.phases.mark("commit")
+        return stats
+
+    def apply_batch(
+        self,
+        sub: psycopg.Connection,
+        prov: psycopg.Connection,
+        node: nodes.Node,
+        tables: list[subscriber.SubscriberTable],
+        info: BatchInfo,
+        appliers: dict[str, TableApplier],
+        rows_applied: BatchStats | None = None,
+    ) -> BatchStats:
+        """Inside the batch's transaction: stage, carry (a branch), apply, record the tick.
+        `rows_applied`: the lanes of a parallel apply did the row events and staged the rest."""
+        assert info.batch_id is not None and info.cur_tick_id is not None
+        carry = node.role.copies_events or bool(node.combined_queue)
+        self.phases.mark("prepare")
+        if rows_applied is None and info.events is not None:
+            inline.stage_inline(sub, info.events)
+            self.phases.mark("stage")
+        elif rows_applied is None:
+            stage_batch(prov, sub, info, carry=carry)
+            self.phases.mark("stage")
+        if node.combined_queue:
+            self.drop_partition_truncates(sub)
+        elif carry:
+            q.carry_events(sub, self.queue, STAGE_TABLE)
+        stats = apply_staged(sub, appliers, queue=self.queue, ddl=DdlReplay(node).replay)
+        if rows_applied is not None:
+            stats.add(rows_applied)
+        self.phases.mark("apply")
+        if node.combined_queue:
+            merge_staged(sub, node.combined_queue, self.queue, info.cur_tick_id, list(appliers))
+        if stats.table_list is not None:
+            self.drop_tables_left_the_set(sub, prov, stats.table_list)
+            if node.role.copies_events:
+                set_tables.mirror_set_tables(sub, self.queue, set_tables.set_table_rows(prov, self.queue))
+        if node.role.copies_events:
+            q.branch_tick(sub, self.queue, info.cur_tick_id, info.cur_tick_time, info.cur_tick_event_seq)
+        nodes.record_applied(sub, self.queue, info.cur_tick_id)
+        inline.set_sequences(sub, self.seqs, info.seq_values)
+        self.phases.mark("record")
+        return stats
+
+    def use_peer_origin(self, sub: psycopg.Connection, node: nodes.Node) -> None:
+        """With logical capture here, a peer's batches are applied under the peer's replication
+        origin (for the rest of the session), which is how the capture tells these changes."""
+        if self.origin_session is not sub:
+            assert node.peer_of is not None and node.provider_node is not None
+            if walcapture.is_logical(sub, node.peer_of):
+                walcapture.use_origin(sub, walcapture.peer_origin(node.provider_node))
+            self.origin_session = sub
+
+    @staticmethod
+    def drop_partition_truncates(sub: psycopg.Connection) -> None:
+        """A partition's TRUNCATE would empty the merged table of every partition: not applied."""
+        n = sub.execute(f"delete from {STAGE_TABLE} where ev_type = 'R'").rowcount
+        if n:
+            log.warning("merge-leaf: %d TRUNCATE events of the partition not applied to the merged tables", n)
+
+    def drop_tables_left_the_set(
+        self, sub: psycopg.Connection, prov: psycopg.Connection, in_set: list[str]
+    ) -> None:
+        """The root removed tables from the set (a T event): unregister them here too."""
+        gone = forget_tables_left(sub, self.queue, in_set, set(set_tables.set_tables(prov, self.queue)))
+        if gone:
+            self.applier_key = ()
+            log.info("removed from the set by the root: %s", ", ".join(gone))
+
+    def appliers_for(
+        self, sub: psycopg.Connection, prov: psycopg.Connection, tables: list[subscriber.SubscriberTable]
+    ) -> dict[str, TableApplier]:
+        ok = [t for t in tables if t.state.is_ok]
+        # a table removed and added again with another filter or columns (--expect-sync) is rebuilt too
+        key = tuple((t.table_name, t.dest_table, t.row_filter, str(t.column_list)) for t in ok)
+        if key != self.applier_key:
+            formats = set_tables.event_formats(prov, self.queue)
+            self.appliers = {
+                t.table_name: TableApplier.build(sub, prov, t, formats.get(t.table_name, "json")) for t in ok
+            }
+            self.applier_key = key
+        return self.appliers

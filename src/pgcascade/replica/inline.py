@@ -1,0 +1,158 @@
+"""A small batch applied in one round trip to the subscriber.
+
+A consumer that keeps up gets each batch with its events inline (`next_batch_events`, one
+round trip to the provider), and the worker applies it in one pipeline on the subscriber: the
+transaction's settings, `apply_begin` (locks the node row, checks that the batch starts where
+this node's record is, records the batch's tick), the events staged from their JSON, one
+set-based statement per table that has events, the followed sequences, the commit, and the
+WAL position after it.  The server runs them in order and stops at the first failure, which
+rolls the whole transaction back, so nothing in between waits for a result.
+
+Batches this path does not take go the general way (worker.process_batch): barrier events
+(TRUNCATE, EXECUTE, the table list, the set's own events), a table applied row by row (partial
+SQL, no unique key), a node that carries events on (branch, merge-leaf), a two-way peer, a
+parallel apply, and a batch whose set-based statement failed here (a unique violation that the
+general path resolves row by row).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import psycopg
+
+from pgcascade.capture.pgoutput import lsn_int
+from pgcascade.pgq import node as nodes
+from pgcascade.pgq.queue import BatchInfo
+from pgcascade.replica import tables as subscriber
+from pgcascade.replica.apply import MAX_EV_ID, BatchStats, TableApplier
+
+# the events of next_batch_events, as [ev_id, ev_txid, ev_type, ev_data, ev_extra1, ev_time,
+# ev_extra2, ev_extra3, ev_extra4], into the staging table (every column: a branch carries them)
+STAGE_INLINE = (
+    "insert into pg_temp.pgcascade_stage"
+    " (ev_id, ev_txid, ev_type, ev_data, ev_extra1, ev_time, ev_extra2, ev_extra3, ev_extra4)"
+    " select (e->>0)::int8, (e->>1)::int8, e->>2, e->>3, e->>4, (e->>5)::timestamptz, e->>6, e->>7, e->>8"
+    " from json_array_elements(%s::json) e"
+)
+SETTINGS = "select set_config('session_replication_role', 'replica', true), set_config('synchronous_commit', %s, true)"
+SETVAL = "select setval(%s::regclass, %s) where %s > coalesce(pg_sequence_last_value(%s::regclass), 0)"
+
+
+class NotAtRecord(Exception):
+    """The batch does not start at the node's record (its last tick): nothing was applied."""
+
+    def __init__(self, last_tick: int):
+        super().__init__(f"the node applied up to tick {last_tick}")
+        self.last_tick = last_tick
+
+
+class Moved(Exception):
+    """The node's provider or type changed since the round began: nothing was applied."""
+
+
+def stage_inline(sub: psycopg.Connection, events: str) -> None:
+    """Stage a batch whose events came inline (next_batch_events)."""
+    sub.execute(STAGE_INLINE, (events,))
+
+
+def set_sequences(
+    sub: psycopg.Connection, seqs: list[tuple[str, str]], values: list[int | None] | None
+) -> None:
+    """Move each followed sequence (provider's name, ours) up to the provider's value, never down."""
+    for (_seq, dest), value in zip(seqs, values or [], strict=False):
+        if value is not None:
+            sub.execute(SETVAL, (dest, value, value, dest))
+
+
+def takes(info: BatchInfo, appliers: dict[str, TableApplier]) -> bool:
+    """Whether this path can apply the batch: events inline, row events only, and every table
+    with events applied set-based (tables without an applier are ignored, as elsewhere)."""
+    if info.events is None or info.other_events or info.row_counts is None:
+        return False
+    return all(appliers[t].set_based for t in info.row_counts if t in appliers)
+
+
+@dataclass
+class Applied:
+    """What one round trip applied, and what the next round needs, read after the commit."""
+
+    stats: BatchStats
+    lsn: str  # the subscriber's WAL position after the commit
+    node: nodes.Node
+    tables: list[subscriber.SubscriberTable]
+
+
+def apply_batch(
+    sub: psycopg.Connection,
+    queue: str,
+    node: nodes.Node,
+    info: BatchInfo,
+    appliers: dict[str, TableApplier],
+    seqs: list[tuple[str, str]],
+    durable: bool,
+) -> Applied:
+    """Apply and commit the batch in one round trip, and read the node and its tables again
+    after the commit (the next round starts from them).  `durable`: commit with
+    synchronous_commit on.  Raises NotAtRecord or Moved when apply_begin refused the batch,
+    or the statement's error."""
+    assert info.events is not None and info.row_counts is not None
+    stats = BatchStats()
+    todo = []
+    for table, n in info.row_counts.items():
+        stats.count += n
+        stats.per_table[table] = n
+        if table in appliers:
+            todo.append(appliers[table])
+        else:
+            stats.ignored += n
+    try:
+        with sub.pipeline():
+            with sub.transaction():
+                sub.execute(SETTINGS, ("on" if durable else "off",))
+                sub.execute(
+                    "select pgcascade.apply_begin(%s, %s, %s, %s, %s)",
+                    (queue, info.prev_tick_id, info.cur_tick_id, node.provider_node, node.node_type.value),
+                )
+                sub.execute(STAGE_INLINE, (info.events,))
+                for a in todo:
+                    sub.execute(a.set_sql or b"", a.params(0, MAX_EV_ID, None))
+                set_sequences(sub, seqs, info.seq_values)
+            lsn = sub.execute("select pg_current_wal_insert_lsn()::text")
+            node_now = nodes.node_query(sub, queue)
+            tables = subscriber.tables_query(sub, queue)
+    except psycopg.Error as e:
+        if e.sqlstate == "PCRES":
+            raise NotAtRecord(int(e.diag.message_detail or 0)) from None
+        if e.sqlstate == "PCMOV":
+            raise Moved(str(e)) from None
+        raise
+    row, now = lsn.fetchone(), node_now.fetchone()
+    assert row is not None and now is not None
+    return Applied(stats, row[0], now, tables.fetchall())
+
+
+@dataclass
+class Durability:
+    """Which applied ticks are on the subscriber's disk.  A node that commits its batches
+    asynchronously reports to its provider (the watermark that keeps the provider's ticks and
+    events) only ticks whose commit its WAL has flushed: if the subscriber crashes and loses
+    the commits after them, the provider still has what the node applies again."""
+
+    pending: deque[tuple[int, int]]  # (tick, WAL position after its commit), oldest first
+    durable: int | None = None  # the newest tick known to be flushed
+
+    @classmethod
+    def new(cls) -> Durability:
+        return cls(deque())
+
+    def committed(self, tick: int, lsn: str) -> None:
+        self.pending.append((tick, lsn_int(lsn)))
+
+    def flushed(self, flush_lsn: str) -> int | None:
+        """The newest tick whose commit is at or before `flush_lsn` (or an older known one)."""
+        upto = lsn_int(flush_lsn)
+        while self.pending and self.pending[0][1] <= upto:
+            self.durable = self.pending.popleft()[0]
+        return self.durable

@@ -1,0 +1,163 @@
+-- The low-latency read of a batch: one call per batch for a consumer that keeps up.
+--
+-- A consumer that is caught up asks for "a tick now if committed events wait" as part of its
+-- next-batch call, so a change waits for no ticker: ticks follow the consumers' pace -
+-- immediate when changes trickle in, larger batches when the consumer is busy applying the
+-- last one - and the ticker daemon is left with idle ticks and maintenance.  The same call
+-- finishes the consumer's previous batch and, for a small batch, returns its events inline
+-- (one round trip for the whole read).
+
+-- pgcascade.events_committed_since(queue_id, snapshot) -> whether an event of the queue was
+-- committed after `snapshot`: its transaction is visible now and was not in the snapshot.
+-- A loose scan of the distinct transaction ids above the snapshot's xmax (one index probe
+-- each), so a long transaction still writing millions of events costs one probe, not a scan
+-- of its events; plus the snapshot's in-progress ids.
+create or replace function pgcascade.events_committed_since(i_queue_id int4, i_snap pg_snapshot) returns bool
+language plpgsql stable as $$
+declare
+    lo int4 := i_queue_id * 16;
+    now_snap pg_snapshot := pg_current_snapshot();
+    x int8 := pg_snapshot_xmax(i_snap)::text::int8 - 1;
+    xmax_now int8 := pg_snapshot_xmax(now_snap)::text::int8;
+begin
+    loop
+        select min(ev_txid) into x from pgcascade.event
+         where ev_part >= lo and ev_part < lo + 16 and ev_txid > x and ev_txid < xmax_now;
+        exit when x is null;
+        if pg_visible_in_snapshot(x::text::xid8, now_snap) then
+            return true;
+        end if;
+    end loop;
+    return exists (select 1 from pg_snapshot_xip(i_snap) t
+                    where pg_visible_in_snapshot(t, now_snap)
+                      and exists (select 1 from pgcascade.event
+                                   where ev_part >= lo and ev_part < lo + 16 and ev_txid = t::text::int8));
+end $$;
+
+-- pgcascade.tick_if_waiting(queue) -> the tick made, or null: ticks the queue now when events
+-- committed since its last tick wait (not when only uncommitted ones do: a long transaction
+-- writing events would otherwise make an empty tick per call).  Queues that take their ticks
+-- from elsewhere (a branch's) or are paused are left alone; so is a queue another session is
+-- ticking at this moment.
+create or replace function pgcascade.tick_if_waiting(i_queue_name text) returns int8
+language plpgsql as $$
+declare
+    q pgcascade.queue;
+    last pgcascade.tick;
+begin
+    select * into q from pgcascade.queue where queue_name = i_queue_name;
+    if not found or q.queue_external_ticker or q.queue_ticker_paused then
+        return null;
+    end if;
+    select * into last from pgcascade.tick where tick_queue = q.queue_id order by tick_id desc limit 1;
+    if last.tick_id is not null
+       and (coalesce(pg_sequence_last_value(q.queue_event_seq), 0) <= last.tick_event_seq
+            or not pgcascade.events_committed_since(q.queue_id, last.tick_snapshot)) then
+        return null;
+    end if;
+    perform 1 from pgcascade.queue where queue_id = q.queue_id for update skip locked;
+    if not found then
+        return null;
+    end if;
+    return pgcascade.make_tick(q, null, null, null);
+end $$;
+
+-- pgcascade.next_batch_events(queue, consumer, finish_batch, max_events, max_tick, tick,
+--                             inline_events, seqs) -> the consumer's next batch:
+--   the columns of next_batch_custom (batch_id null: nothing new), and
+--   event_sql     the query of the batch's events, when they are not inline
+--   events        the events as a JSON array (text) of [ev_id, ev_txid, ev_type, ev_data, ev_extra1,
+--                 ev_time, ev_extra2, ev_extra3, ev_extra4], when the batch holds at most
+--                 `inline_events` event ids (null otherwise)
+--   row_counts    with inline events: {table: row events}
+--   other_events  with inline events: how many are not row events (I/U/D)
+--   seq_values    the current values of the sequences named in `seqs` (null: no such one)
+-- First it finishes `finish_batch` if that is still open (the consumer applied it; finishing
+-- twice is harmless), then, with `tick`, ticks the queue if the consumer is at its newest tick
+-- and committed events wait (tick_if_waiting).
+create or replace function pgcascade.next_batch_events(
+    i_queue_name text, i_consumer text, i_finish_batch int8, i_max_events int8, i_max_tick int8,
+    i_tick bool, i_inline_events int8, i_seqs text[],
+    out batch_id int8, out cur_tick_id int8, out prev_tick_id int8,
+    out cur_tick_time timestamptz, out prev_tick_time timestamptz,
+    out cur_tick_event_seq int8, out prev_tick_event_seq int8,
+    out event_sql text, out events text, out row_counts json, out other_events int8, out seq_values int8[])
+-- generic plans: a custom plan of the events query (pruned to the queue's partitions at plan
+-- time) looks cheaper to the plan cache, which then plans it again at every call
+language plpgsql set plan_cache_mode = force_generic_plan as $$
+declare
+    s pgcascade.subscription;
+    b record;
+    prev_snap pg_snapshot;
+    cur_snap txid_snapshot;
+    xip int8[];
+begin
+    if i_finish_batch is not null then
+        update pgcascade.subscription
+           set sub_last_tick = sub_next_tick, sub_next_tick = null, sub_batch = null, sub_active = now()
+         where sub_batch = i_finish_batch;
+    end if;
+    s := pgcascade.find_subscription(i_queue_name, i_consumer, true);
+    if i_tick and s.sub_batch is null and (i_max_tick is null or i_max_tick > s.sub_last_tick)
+       and not exists (select 1 from pgcascade.tick t where t.tick_queue = s.sub_queue and t.tick_id > s.sub_last_tick) then
+        perform pgcascade.tick_if_waiting(i_queue_name);
+    end if;
+    select * into b from pgcascade.next_batch_custom(i_queue_name, i_consumer, i_max_events, i_max_tick);
+    batch_id := b.batch_id;
+    cur_tick_id := b.cur_tick_id;
+    prev_tick_id := b.prev_tick_id;
+    cur_tick_time := b.cur_tick_time;
+    prev_tick_time := b.prev_tick_time;
+    cur_tick_event_seq := b.cur_tick_event_seq;
+    prev_tick_event_seq := b.prev_tick_event_seq;
+    if i_seqs is not null then
+        seq_values := array(select pg_sequence_last_value(to_regclass(n)) from unnest(i_seqs) with ordinality u(n, o)
+                             order by o);
+    end if;
+    if batch_id is null then
+        return;
+    end if;
+    if cur_tick_event_seq - prev_tick_event_seq > i_inline_events then
+        event_sql := pgcascade.batch_event_sql(batch_id);
+        return;
+    end if;
+    -- the batch's events (batch_event_sql's selection) as static SQL: its plan is cached,
+    -- where the composed query of a batch would be planned again each time
+    select t.tick_snapshot into prev_snap from pgcascade.tick t where t.tick_queue = s.sub_queue and t.tick_id = prev_tick_id;
+    select t.tick_snapshot::text::txid_snapshot into cur_snap from pgcascade.tick t
+     where t.tick_queue = s.sub_queue and t.tick_id = cur_tick_id;
+    xip := array(select x::text::int8 from pg_snapshot_xip(prev_snap) x);
+    with e as materialized (
+        select ev.ev_id, ev.ev_time, ev.ev_txid, ev.ev_type, ev.ev_data, ev.ev_extra1, ev.ev_rare
+          from pgcascade.event ev
+         where ev.ev_part >= s.sub_queue * 16 and ev.ev_part < s.sub_queue * 16 + 16
+           and (ev.ev_txid >= pg_snapshot_xmax(prev_snap)::text::int8 and ev.ev_txid < txid_snapshot_xmax(cur_snap)
+                or ev.ev_txid = any(xip))
+           and txid_visible_in_snapshot(ev.ev_txid, cur_snap)
+           and (ev.ev_rare is null or (ev.ev_rare).ev_owner is null or (ev.ev_rare).ev_owner = s.sub_id))
+    select (select json_agg(json_build_array(e.ev_id, e.ev_txid, e.ev_type, e.ev_data, e.ev_extra1, e.ev_time,
+                                             (e.ev_rare).ev_extra2, (e.ev_rare).ev_extra3, (e.ev_rare).ev_extra4)
+                            order by e.ev_id)::text from e),
+           (select json_object_agg(c.t, c.n) from (select e.ev_extra1 t, count(*) n from e
+                                                    where e.ev_type in ('I', 'U', 'D') group by 1) c),
+           (select count(*) from e where coalesce(e.ev_type, '') not in ('I', 'U', 'D'))
+      into events, row_counts, other_events;
+    events := coalesce(events, '[]');
+    row_counts := coalesce(row_counts, '{}');
+end $$;
+
+-- pgcascade.tick_now(queue) -> the tick made, or null: a tick in the calling transaction, which
+-- counts as committed in it (tick_snapshot) - the capture daemon's, right after it wrote a
+-- commit group's events, so they wait for no ticker and its consumers are notified at commit.
+-- Nothing happens on a queue that is paused or takes its ticks from elsewhere.
+create or replace function pgcascade.tick_now(i_queue_name text) returns int8
+language plpgsql as $$
+declare
+    q pgcascade.queue;
+begin
+    select * into q from pgcascade.queue where queue_name = i_queue_name for update;
+    if not found or q.queue_external_ticker or q.queue_ticker_paused then
+        return null;
+    end if;
+    return pgcascade.make_tick(q, null, null, null);
+end $$;
