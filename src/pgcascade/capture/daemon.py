@@ -274,17 +274,21 @@ class WalCapture(Daemon):
     def commit(self) -> None:
         """Commit the events of the whole source transactions read this round, with their end."""
         assert self.writer is not None
-        self.flush()
+        then: list[tuple[str, tuple]] = []  # sent with the last rows: one round trip, then the commit
         if self.last_end > self.committed:
-            self.writer.execute(
-                "update pgcascade.walcapture set confirmed_lsn = %s::pg_lsn, last_commit = coalesce(%s, last_commit),"
-                " last_capture = now(), last_error = null, last_error_time = null where queue_name = %s",
-                (lsn_str(self.last_end), self.last_commit, self.queue),
+            then.append(
+                (
+                    "update pgcascade.walcapture set confirmed_lsn = %s::pg_lsn, last_commit = coalesce(%s, last_commit),"
+                    " last_capture = now(), last_error = null, last_error_time = null where queue_name = %s",
+                    (lsn_str(self.last_end), self.last_commit, self.queue),
+                )
             )
-        if self.events:
+        if self.events or self.buf:
             # the commit group's own tick: its consumers are notified at commit, and wait for
             # no ticker (a tick counts its own transaction as committed)
-            q.tick_now(self.writer, self.queue)
+            then.append((q.TICK_NOW, (self.queue,)))
+        self.flush(then)
+        if self.events:
             pause_point("written-not-committed", events=self.events)
         self.writer.commit()
         if self.skipped:
@@ -426,23 +430,28 @@ class WalCapture(Daemon):
         if self.buf_rows >= CHUNK_ROWS or self.buf_bytes >= CHUNK_BYTES:
             self.flush()
 
-    def flush(self) -> None:
+    def flush(self, then: list[tuple[str, tuple]] | None = None) -> None:
         """Write the buffered rows: one statement per table, each table's rows in order (the
-        apply orders a key's events by ev_id; barriers flush first, so they keep their place)."""
+        apply orders a key's events by ev_id; barriers flush first, so they keep their place);
+        `then`: statements to send after them, in the same round trip."""
         assert self.writer is not None
-        if not self.buf:
+        if not self.buf and not then:
             return
+        for relid in self.buf:  # composing one needs a query of its own: before the pipeline
+            rel = self.rels[relid]
+            if rel.insert_sql is None:
+                rel.insert_sql = self.insert_sql(rel).as_bytes(self.writer)
         done = []
         with self.writer.pipeline():  # the tables' statements in one round trip
             for relid, rows in self.buf.items():
-                rel = self.rels[relid]
-                if rel.insert_sql is None:
-                    rel.insert_sql = self.insert_sql(rel).as_bytes(self.writer)
                 cur = self.writer.cursor()
                 cur.execute(
-                    rel.insert_sql, (self.buf_origin, self.buf_origin, json.dumps(rows, ensure_ascii=False))
+                    self.rels[relid].insert_sql or b"",
+                    (self.buf_origin, self.buf_origin, json.dumps(rows, ensure_ascii=False)),
                 )
                 done.append((cur, len(rows)))
+            for query, params in then or []:
+                self.writer.execute(query, params)
         for cur, n in done:
             if cur.rowcount != n:
                 raise RuntimeFailure(f"queue {self.queue} does not exist any more")

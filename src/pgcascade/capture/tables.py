@@ -95,13 +95,9 @@ def add_to_set(conn: psycopg.Connection, queue: str, tables: dict[str, list[str]
 
 
 def refresh_sql_capture(conn: psycopg.Connection, queue: str) -> None:
-    """The seed's partial-SQL capture names the columns: after DDL, let it see the new ones."""
-    conn.execute(
-        "select pgcascade.capture_enable(queue_name, table_name::regclass, key_columns, event_format)"
-        " from pgcascade.set_table where queue_name = %s and event_format = 'sql'"
-        " and to_regclass(table_name) is not null",
-        (queue,),
-    )
+    """After DDL, the capture functions again: the seed's partial-SQL capture names the columns,
+    and a new column's type may need an output setting fixed (capture_output_settings)."""
+    conn.execute("select pgcascade.capture_refresh(%s)", (queue,))
 
 
 # --- the root changes place (takeover) -------------------------------------------------------------

@@ -81,9 +81,9 @@ def ticker(conn: psycopg.Connection, queue: str | None = None) -> int:
     return int(scalar(conn, "select pgcascade.ticker(%s)", (queue,)))
 
 
-def tick_now(conn: psycopg.Connection, queue: str) -> int | None:
-    """A tick in this transaction, its own events in it (tick_now in 52_fetch.sql)."""
-    return scalar(conn, "select pgcascade.tick_now(%s)", (queue,))
+# a tick in the calling transaction, its own events in it (tick_now in 52_fetch.sql): the
+# capture daemon sends it with a commit group's last rows, in one round trip
+TICK_NOW = "select pgcascade.tick_now(%s)"
 
 
 def register_consumer(conn: psycopg.Connection, queue: str, consumer: str) -> bool:
