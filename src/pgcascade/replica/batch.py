@@ -133,8 +133,14 @@ class Batches:
                 lsn = str(scalar(sub, "select pg_current_wal_insert_lsn()::text"))
         if lsn is not None:
             self.durability.committed(info.cur_tick_id, lsn)
-        self.unfinished = (self.prov_node, info.batch_id)
         pause_point("applied", events=stats.count)  # committed here, not finished on the provider
+        if durable:
+            # a node others read (a branch may become the root, a master has peers): nothing of
+            # its consumer stays open on a provider it may stop reading (a takeover moves it)
+            q.finish_batch(prov, info.batch_id)
+            self.phases.mark("finish")
+        else:
+            self.unfinished = (self.prov_node, info.batch_id)  # finished with the next fetch
         if stats.executed:
             self.applier_key = ()  # DDL ran: read the tables' definitions again
         duration = time.monotonic() - started

@@ -62,6 +62,22 @@ begin
     return pgcascade.make_tick(q, null, null, null);
 end $$;
 
+-- pgcascade.readers_behind(subscription) -> whether another consumer of the queue that reads
+-- batches (it was active in the last 10 seconds; the global watermark's registration reads
+-- none) is more than 2 ticks behind this one.  Ticks on demand then wait: a consumer that
+-- takes one tick per batch - a cascade branch, which must repeat every tick, or a PgQ
+-- consumer - would get more batches than it can apply while a faster one asks for a tick
+-- every few milliseconds.  The ticker's ticks go on, so the slow one catches up, and the
+-- ticks follow the pace of the slowest reader.
+create or replace function pgcascade.readers_behind(s pgcascade.subscription) returns bool
+language sql stable as $$
+    select exists (select 1 from pgcascade.subscription o join pgcascade.consumer c on c.co_id = o.sub_consumer
+                    where o.sub_queue = s.sub_queue and o.sub_id <> s.sub_id
+                      and c.co_name <> '.global_watermark'
+                      and o.sub_active > now() - interval '10 seconds'
+                      and o.sub_last_tick < s.sub_last_tick - 2)
+$$;
+
 -- pgcascade.next_batch_events(queue, consumer, finish_batch, max_events, max_tick, tick,
 --                             inline_events, seqs) -> the consumer's next batch:
 --   the columns of next_batch_custom (batch_id null: nothing new), and
@@ -73,8 +89,8 @@ end $$;
 --   other_events  with inline events: how many are not row events (I/U/D)
 --   seq_values    the current values of the sequences named in `seqs` (null: no such one)
 -- First it finishes `finish_batch` if that is still open (the consumer applied it; finishing
--- twice is harmless), then, with `tick`, ticks the queue if the consumer is at its newest tick
--- and committed events wait (tick_if_waiting).
+-- twice is harmless), then, with `tick`, ticks the queue if the consumer is at its newest tick,
+-- no other reader is far behind (readers_behind) and committed events wait (tick_if_waiting).
 create or replace function pgcascade.next_batch_events(
     i_queue_name text, i_consumer text, i_finish_batch int8, i_max_events int8, i_max_tick int8,
     i_tick bool, i_inline_events int8, i_seqs text[],
@@ -99,7 +115,8 @@ begin
     end if;
     s := pgcascade.find_subscription(i_queue_name, i_consumer, true);
     if i_tick and s.sub_batch is null and (i_max_tick is null or i_max_tick > s.sub_last_tick)
-       and not exists (select 1 from pgcascade.tick t where t.tick_queue = s.sub_queue and t.tick_id > s.sub_last_tick) then
+       and not exists (select 1 from pgcascade.tick t where t.tick_queue = s.sub_queue and t.tick_id > s.sub_last_tick)
+       and not pgcascade.readers_behind(s) then
         perform pgcascade.tick_if_waiting(i_queue_name);
     end if;
     select * into b from pgcascade.next_batch_custom(i_queue_name, i_consumer, i_max_events, i_max_tick);
