@@ -104,7 +104,13 @@ NODE_COLUMNS = (
 )
 
 
-def _node_row(cursor: psycopg.Cursor) -> Callable[[Sequence[Any]], Node]:
+# the node row's query: the worker sends it with a batch's statements (replica/inline.py)
+NODE_QUERY = f"select {NODE_COLUMNS} from pgcascade.node where queue_name = %s"
+
+
+def node_rows(cursor: psycopg.Cursor) -> Callable[[Sequence[Any]], Node]:
+    """The row factory of NODE_COLUMNS."""
+
     def make(values: Sequence[Any]) -> Node:
         queue, name, node_type, *rest = values
         return Node(queue, name, NodeType(node_type), *rest)
@@ -119,7 +125,7 @@ def get_node(conn: psycopg.Connection, queue_name: str) -> Node | None:
     if not idle and schema.installed_version(conn) == 0:
         return None
     try:
-        with conn.cursor(row_factory=_node_row) as cur:
+        with conn.cursor(row_factory=node_rows) as cur:
             return cur.execute(
                 f"select {NODE_COLUMNS} from pgcascade.node where queue_name = %s", (queue_name,)
             ).fetchone()
@@ -129,13 +135,6 @@ def get_node(conn: psycopg.Connection, queue_name: str) -> Node | None:
         raise UserError(
             "the pgcascade schema in this database is older than this release: run `pgcascade CONFIG install`"
         ) from None
-
-
-def node_query(conn: psycopg.Connection, queue_name: str) -> psycopg.Cursor[Node]:
-    """The node row's query, sent: fetched later (a pipeline sends it with others)."""
-    return conn.cursor(row_factory=_node_row).execute(
-        f"select {NODE_COLUMNS} from pgcascade.node where queue_name = %s", (queue_name,)
-    )
 
 
 def require_node(conn: psycopg.Connection, queue_name: str) -> Node:
@@ -160,7 +159,7 @@ def lock_node(conn: psycopg.Connection, queue_name: str, share: bool = False) ->
     the next one is kept out.  `share`: the lanes of one parallel apply, which only need the
     row to stay as it is while they apply."""
     mode = "share" if share else "update"
-    with conn.cursor(row_factory=_node_row) as cur:
+    with conn.cursor(row_factory=node_rows) as cur:
         node = cur.execute(
             f"select {NODE_COLUMNS} from pgcascade.node where queue_name = %s for {mode}", (queue_name,)
         ).fetchone()
@@ -199,7 +198,7 @@ def insert_node(
 
 def peers(conn: psycopg.Connection, own_queue: str) -> list[Node]:
     """The peer subscriptions of the master that is the root of `own_queue` (two-way)."""
-    with conn.cursor(row_factory=_node_row) as cur:
+    with conn.cursor(row_factory=node_rows) as cur:
         return cur.execute(
             f"select {NODE_COLUMNS} from pgcascade.node where peer_of = %s order by provider_node",
             (own_queue,),

@@ -107,30 +107,50 @@ def apply_batch(
             todo.append(appliers[table])
         else:
             stats.ignored += n
+    bind = psycopg.ClientCursor(sub).mogrify
+    statements = [
+        "begin",
+        bind(SETTINGS, ("on" if durable else "off",)),
+        bind(
+            "select pgcascade.apply_begin(%s, %s, %s, %s, %s)",
+            (queue, info.prev_tick_id, info.cur_tick_id, node.provider_node, node.node_type.value),
+        ),
+        bind(STAGE_INLINE, (info.events,)),
+        *(bind(a.set_sql or b"", a.params(0, MAX_EV_ID, None)) for a in todo),
+        *(
+            bind(SETVAL, (dest, v, v, dest))
+            for (_seq, dest), v in zip(seqs, info.seq_values or [], strict=False)
+            if v is not None
+        ),
+        "commit",
+        "select pg_current_wal_insert_lsn()::text",
+        bind(nodes.NODE_QUERY, (queue,)),
+        bind(subscriber.TABLES_QUERY, (queue,)),
+    ]
+    cur = sub.cursor()
     try:
-        with sub.pipeline():
-            with sub.transaction():
-                sub.execute(SETTINGS, ("on" if durable else "off",))
-                sub.execute(
-                    "select pgcascade.apply_begin(%s, %s, %s, %s, %s)",
-                    (queue, info.prev_tick_id, info.cur_tick_id, node.provider_node, node.node_type.value),
-                )
-                sub.execute(STAGE_INLINE, (info.events,))
-                for a in todo:
-                    sub.execute(a.set_sql or b"", a.params(0, MAX_EV_ID, None))
-                set_sequences(sub, seqs, info.seq_values)
-            lsn = sub.execute("select pg_current_wal_insert_lsn()::text")
-            node_now = nodes.node_query(sub, queue)
-            tables = subscriber.tables_query(sub, queue)
+        # one message of the simple query protocol: one round trip (psycopg's pipeline mode
+        # took several wake-ups per batch), the server stops at the first error
+        cur.execute(";\n".join(statements).encode())
     except psycopg.Error as e:
+        if sub.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            sub.execute("rollback")
         if e.sqlstate == "PCRES":
             raise NotAtRecord(int(e.diag.message_detail or 0)) from None
         if e.sqlstate == "PCMOV":
             raise Moved(str(e)) from None
         raise
-    row, now = lsn.fetchone(), node_now.fetchone()
-    assert row is not None and now is not None
-    return Applied(stats, row[0], now, tables.fetchall())
+    for _ in range(len(statements) - 3):  # a result per statement: on to the three reads
+        cur.nextset()
+    lsn = cur.fetchone()
+    cur.nextset()
+    cur.row_factory = nodes.node_rows  # type: ignore[assignment]
+    now = cur.fetchone()
+    cur.nextset()
+    cur.row_factory = subscriber.table_rows  # type: ignore[assignment]
+    tables = cur.fetchall()
+    assert lsn is not None and now is not None
+    return Applied(stats, lsn[0], now, tables)  # type: ignore[arg-type]
 
 
 @dataclass

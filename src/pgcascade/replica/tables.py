@@ -52,7 +52,9 @@ class SubscriberTable:
         return names if self.column_list is None else [c for c in names if c in self.column_list]
 
 
-def _table_row(cursor: psycopg.Cursor) -> Callable[[Sequence[Any]], SubscriberTable]:
+def table_rows(cursor: psycopg.Cursor) -> Callable[[Sequence[Any]], SubscriberTable]:
+    """The row factory of TABLES_QUERY."""
+
     def make(values: Sequence[Any]) -> SubscriberTable:
         name, dest, keys, state, *rest = values
         return SubscriberTable(name, dest, keys, TableState.parse(state), *rest)
@@ -60,21 +62,19 @@ def _table_row(cursor: psycopg.Cursor) -> Callable[[Sequence[Any]], SubscriberTa
     return make
 
 
+# the worker sends it with a batch's statements too (replica/inline.py; rows: table_rows)
+TABLES_QUERY = (
+    "select table_name, dest_table, key_columns, state, copy_snapshot::text, copy_tick, copy_pid,"
+    " skip_truncate, local_writes, copy_node, applied_tick, row_filter, column_list"
+    " from pgcascade.subscriber_table"
+    " where queue_name = %s"
+    " order by 1"
+)
+
+
 def tables(conn: psycopg.Connection, queue: str) -> list[SubscriberTable]:
-    with tables_query(conn, queue) as cur:
-        return cur.fetchall()
-
-
-def tables_query(conn: psycopg.Connection, queue: str) -> psycopg.Cursor[SubscriberTable]:
-    """The query of `tables`, sent: its rows are fetched later (a pipeline sends it with others)."""
-    return conn.cursor(row_factory=_table_row).execute(
-        "select table_name, dest_table, key_columns, state, copy_snapshot::text, copy_tick, copy_pid,"
-        " skip_truncate, local_writes, copy_node, applied_tick, row_filter, column_list"
-        " from pgcascade.subscriber_table"
-        " where queue_name = %s"
-        " order by 1",
-        (queue,),
-    )
+    with conn.cursor(row_factory=table_rows) as cur:
+        return cur.execute(TABLES_QUERY, (queue,)).fetchall()
 
 
 def get_table(conn: psycopg.Connection, queue: str, table: str) -> SubscriberTable | None:
