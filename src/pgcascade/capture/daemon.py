@@ -437,25 +437,26 @@ class WalCapture(Daemon):
         assert self.writer is not None
         if not self.buf and not then:
             return
-        for relid in self.buf:  # composing one needs a query of its own: before the pipeline
+        bind = psycopg.ClientCursor(self.writer).mogrify
+        statements, counts = [], []
+        for relid, rows in self.buf.items():
             rel = self.rels[relid]
             if rel.insert_sql is None:
                 rel.insert_sql = self.insert_sql(rel).as_bytes(self.writer)
-        done = []
-        with self.writer.pipeline():  # the tables' statements in one round trip
-            for relid, rows in self.buf.items():
-                cur = self.writer.cursor()
-                cur.execute(
-                    self.rels[relid].insert_sql or b"",
-                    (self.buf_origin, self.buf_origin, json.dumps(rows, ensure_ascii=False)),
-                )
-                done.append((cur, len(rows)))
-            for query, params in then or []:
-                self.writer.execute(query, params)
-        for cur, n in done:
+            params = (self.buf_origin, self.buf_origin, json.dumps(rows, ensure_ascii=False))
+            statements.append(bind(rel.insert_sql, params))
+            counts.append(len(rows))
+        statements += [bind(query, params) for query, params in then or []]
+        # one message of the simple query protocol: one round trip for the tables' statements
+        # and those after them (psycopg's pipeline mode took several wake-ups)
+        cur = self.writer.cursor()
+        cur.execute(";\n".join(statements).encode())
+        for i, n in enumerate(counts):
             if cur.rowcount != n:
                 raise RuntimeFailure(f"queue {self.queue} does not exist any more")
             self.events += n
+            if i + 1 < len(statements):
+                cur.nextset()
         self.buf.clear()
         self.buf_rows = self.buf_bytes = 0
 
