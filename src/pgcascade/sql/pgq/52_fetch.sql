@@ -69,14 +69,16 @@ end $$;
 -- consumer - would get more batches than it can apply while a faster one asks for a tick
 -- every few milliseconds.  The ticker's ticks go on, so the slow one catches up, and the
 -- ticks follow the pace of the slowest reader.
+-- (PL/pgSQL: an SQL function's query would be planned again at every call)
 create or replace function pgcascade.readers_behind(s pgcascade.subscription) returns bool
-language sql stable as $$
-    select exists (select 1 from pgcascade.subscription o join pgcascade.consumer c on c.co_id = o.sub_consumer
+language plpgsql stable as $$
+begin
+    return exists (select 1 from pgcascade.subscription o join pgcascade.consumer c on c.co_id = o.sub_consumer
                     where o.sub_queue = s.sub_queue and o.sub_id <> s.sub_id
                       and c.co_name <> '.global_watermark'
                       and o.sub_active > now() - interval '10 seconds'
-                      and o.sub_last_tick < s.sub_last_tick - 2)
-$$;
+                      and o.sub_last_tick < s.sub_last_tick - 2);
+end $$;
 
 -- pgcascade.next_batch_events(queue, consumer, finish_batch, max_events, max_tick, tick,
 --                             inline_events, seqs) -> the consumer's next batch:
@@ -114,10 +116,25 @@ begin
          where sub_batch = i_finish_batch;
     end if;
     s := pgcascade.find_subscription(i_queue_name, i_consumer, true);
-    if i_tick and s.sub_batch is null and (i_max_tick is null or i_max_tick > s.sub_last_tick)
+    if i_seqs is not null then
+        seq_values := array(select pg_sequence_last_value(to_regclass(n)) from unnest(i_seqs) with ordinality u(n, o)
+                             order by o);
+    end if;
+    if s.sub_batch is null
        and not exists (select 1 from pgcascade.tick t where t.tick_queue = s.sub_queue and t.tick_id > s.sub_last_tick)
-       and not pgcascade.readers_behind(s) then
-        perform pgcascade.tick_if_waiting(i_queue_name);
+       and (not i_tick or (i_max_tick is not null and i_max_tick <= s.sub_last_tick)
+            or pgcascade.readers_behind(s) or pgcascade.tick_if_waiting(i_queue_name) is null) then
+        -- nothing new: no batch, and no write but a sign of life now and then (a consumer
+        -- that keeps up asks every few milliseconds)
+        select t.tick_time, t.tick_event_seq into prev_tick_time, prev_tick_event_seq
+          from pgcascade.tick t where t.tick_queue = s.sub_queue and t.tick_id = s.sub_last_tick;
+        if found then
+            prev_tick_id := s.sub_last_tick;
+            if s.sub_active < now() - interval '1 second' then
+                update pgcascade.subscription set sub_active = now() where sub_id = s.sub_id;
+            end if;
+            return;
+        end if;
     end if;
     select * into b from pgcascade.next_batch_custom(i_queue_name, i_consumer, i_max_events, i_max_tick);
     batch_id := b.batch_id;
@@ -127,10 +144,6 @@ begin
     prev_tick_time := b.prev_tick_time;
     cur_tick_event_seq := b.cur_tick_event_seq;
     prev_tick_event_seq := b.prev_tick_event_seq;
-    if i_seqs is not null then
-        seq_values := array(select pg_sequence_last_value(to_regclass(n)) from unnest(i_seqs) with ordinality u(n, o)
-                             order by o);
-    end if;
     if batch_id is null then
         return;
     end if;
