@@ -1,12 +1,14 @@
 """A small batch applied in one round trip to the subscriber.
 
 A consumer that keeps up gets each batch with its events inline (`next_batch_events`, one
-round trip to the provider), and the worker applies it in one pipeline on the subscriber: the
+round trip to the provider), and the worker applies it in one message on the subscriber: the
 transaction's settings, `apply_begin` (locks the node row, checks that the batch starts where
 this node's record is, records the batch's tick), the events staged from their JSON, one
 set-based statement per table that has events, the followed sequences, the commit, and the
-WAL position after it.  The server runs them in order and stops at the first failure, which
-rolls the whole transaction back, so nothing in between waits for a result.
+WAL position after it, and the node and its tables for the next round - one message of the
+simple query protocol, values as literals.  The server runs them in order and stops at the
+first failure (the worker then rolls the transaction back), so nothing in between waits for a
+result.
 
 Batches this path does not take go the general way (worker.process_batch): barrier events
 (TRUNCATE, EXECUTE, the table list, the set's own events), a table applied row by row (partial
