@@ -36,9 +36,8 @@ import logging
 import time
 
 import psycopg
-from psycopg import sql
 
-from pgcascade.capture import logical
+from pgcascade.capture import events, logical
 from pgcascade.capture import tables as set_tables
 from pgcascade.capture.pgoutput import (
     PG_EPOCH,
@@ -276,13 +275,7 @@ class WalCapture(Daemon):
         assert self.writer is not None
         then: list[tuple[str, tuple]] = []  # sent with the last rows: one round trip, then the commit
         if self.last_end > self.committed:
-            then.append(
-                (
-                    "update pgcascade.walcapture set confirmed_lsn = %s::pg_lsn, last_commit = coalesce(%s, last_commit),"
-                    " last_capture = now(), last_error = null, last_error_time = null where queue_name = %s",
-                    (lsn_str(self.last_end), self.last_commit, self.queue),
-                )
-            )
+            then.append((events.CONFIRM, (lsn_str(self.last_end), self.last_commit, self.queue)))
         if self.events or self.buf:
             # the commit group's own tick: its consumers are notified at commit, and wait for
             # no ticker (a tick counts its own transaction as committed)
@@ -442,7 +435,7 @@ class WalCapture(Daemon):
         for relid, rows in self.buf.items():
             rel = self.rels[relid]
             if rel.insert_sql is None:
-                rel.insert_sql = self.insert_sql(rel).as_bytes(self.writer)
+                rel.insert_sql = events.insert_rows_sql(rel, self.queue).as_bytes(self.writer)
             params = (self.buf_origin, self.buf_origin, json.dumps(rows, ensure_ascii=False))
             statements.append(bind(rel.insert_sql, params))
             counts.append(len(rows))
@@ -451,41 +444,13 @@ class WalCapture(Daemon):
         # and those after them (psycopg's pipeline mode took several wake-ups)
         cur = self.writer.cursor()
         cur.execute(";\n".join(statements).encode())
-        for i, n in enumerate(counts):
+        for n in counts:
             if cur.rowcount != n:
                 raise RuntimeFailure(f"queue {self.queue} does not exist any more")
             self.events += n
-            if i + 1 < len(statements):
-                cur.nextset()
+            cur.nextset()  # (none after the last: harmless)
         self.buf.clear()
         self.buf_rows = self.buf_bytes = 0
-
-    def insert_sql(self, rel: Relation) -> sql.Composed:
-        # each row arrives as [op, [text values]]; the cast makes each value the column's type
-        # again (its input function: the exact inverse of the output pgoutput used), and
-        # the image is the capture trigger's (row_to_json, JSON nulls of json columns marked)
-        assert self.writer is not None
-        cols = sql.SQL(", ").join(
-            sql.SQL("(x.v->>{})::{} as {}").format(sql.Literal(i), sql.SQL(cast), sql.Identifier(name))
-            for i, (name, cast) in enumerate(zip(rel.names, rel.casts, strict=True))
-        )
-        return sql.SQL(
-            "insert into pgcascade.event (ev_id, ev_time, ev_part, ev_type, ev_data, ev_extra1, ev_rare)"
-            " select nextval(q.queue_event_seq), x.t, q.queue_id * 16 + q.queue_cur_table, x.op,"
-            " {image}, {table}, o.rare"
-            " from pgcascade.queue q,"
-            " (select case when %s::text is not null"
-            "         then row(null, null, %s, null, null)::pgcascade.event_rare end as rare) o,"
-            " (select e->>0 as op, e->1 as v, (e->>2)::timestamptz as t, n"
-            "  from json_array_elements(%s::json) with ordinality a(e, n)) x,"
-            " lateral (select {cols}) r"
-            " where q.queue_name = {queue} order by x.n"
-        ).format(
-            image=sql.SQL(rel.image),
-            table=sql.Literal(rel.canonical),
-            cols=cols,
-            queue=sql.Literal(self.queue),
-        )
 
     def insert_event(
         self,
@@ -499,11 +464,7 @@ class WalCapture(Daemon):
         apply made it for (and, for a DDL it passed on, that master's tick)."""
         assert self.writer is not None
         cur = self.writer.execute(
-            "insert into pgcascade.event (ev_id, ev_time, ev_part, ev_type, ev_data, ev_extra1, ev_rare)"
-            " select nextval(q.queue_event_seq), now(), q.queue_id * 16 + q.queue_cur_table, %s, %s, %s,"
-            " case when %s::text is not null then row(null, %s, %s, null, null)::pgcascade.event_rare end"
-            " from pgcascade.queue q where q.queue_name = %s",
-            (ev_type, data, extra1, origin, extra3, origin, self.queue),
+            events.INSERT_EVENT, (ev_type, data, extra1, origin, extra3, origin, self.queue)
         )
         if cur.rowcount != 1:
             raise RuntimeFailure(f"queue {self.queue} does not exist any more")

@@ -49,8 +49,6 @@ RELAY_BYTES = 1 << 16  # a batch's COPY moves from provider to subscriber in pie
 # and a durable commit even where the server runs with synchronous_commit = off - the batch is
 # finished on the provider right after, so a commit lost in a crash would lose the batch.
 APPLY_SETTINGS = "set local session_replication_role = replica; set local synchronous_commit = on"
-# a leaf's: the commit need not wait for the WAL flush (docs/replication.md, "Exactly once")
-APPLY_SETTINGS_ASYNC = "set local session_replication_role = replica; set local synchronous_commit = off"
 
 STAGE_TABLE = "pg_temp.pgcascade_stage"
 STAGE_COLUMNS = "ev_id, ev_txid, ev_type, ev_data, ev_extra1"

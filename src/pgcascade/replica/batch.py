@@ -34,7 +34,6 @@ from pgcascade.replica import inline, peer_worker
 from pgcascade.replica import tables as subscriber
 from pgcascade.replica.apply import (
     APPLY_SETTINGS,
-    APPLY_SETTINGS_ASYNC,
     STAGE_TABLE,
     BatchStats,
     TableApplier,
@@ -46,6 +45,9 @@ from pgcascade.replica.ddl import DdlReplay, forget_tables_left
 from pgcascade.replica.parallel import ParallelApply, left_out
 
 log = logging.getLogger("pgcascade.replay")
+
+# a leaf's: the commit need not wait for the WAL flush (docs/replication.md, "Exactly once")
+APPLY_SETTINGS_ASYNC = "set local session_replication_role = replica; set local synchronous_commit = off"
 
 
 class BatchPhases:

@@ -1,0 +1,51 @@
+"""The statements the capture daemon writes its queue with (daemon.py sends them)."""
+
+from __future__ import annotations
+
+from psycopg import sql
+
+from pgcascade.capture.pgoutput import Relation
+
+# the end of what a commit group holds (its last source transaction), in its transaction
+CONFIRM = (
+    "update pgcascade.walcapture set confirmed_lsn = %s::pg_lsn, last_commit = coalesce(%s, last_commit),"
+    " last_capture = now(), last_error = null, last_error_time = null where queue_name = %s"
+)
+
+# an event of the stream's own (TRUNCATE, a message): type, data, extra1, origin, extra3,
+# origin, queue
+INSERT_EVENT = (
+    "insert into pgcascade.event (ev_id, ev_time, ev_part, ev_type, ev_data, ev_extra1, ev_rare)"
+    " select nextval(q.queue_event_seq), now(), q.queue_id * 16 + q.queue_cur_table, %s, %s, %s,"
+    " case when %s::text is not null then row(null, %s, %s, null, null)::pgcascade.event_rare end"
+    " from pgcascade.queue q where q.queue_name = %s"
+)
+
+
+def insert_rows_sql(rel: Relation, queue: str) -> sql.Composed:
+    """The insert of a batch of `rel`'s rows into `queue`; parameters: origin, origin, the rows
+    as JSON."""
+    # each row arrives as [op, [text values]]; the cast makes each value the column's type
+    # again (its input function: the exact inverse of the output pgoutput used), and
+    # the image is the capture trigger's (row_to_json, JSON nulls of json columns marked)
+    cols = sql.SQL(", ").join(
+        sql.SQL("(x.v->>{})::{} as {}").format(sql.Literal(i), sql.SQL(cast), sql.Identifier(name))
+        for i, (name, cast) in enumerate(zip(rel.names, rel.casts, strict=True))
+    )
+    return sql.SQL(
+        "insert into pgcascade.event (ev_id, ev_time, ev_part, ev_type, ev_data, ev_extra1, ev_rare)"
+        " select nextval(q.queue_event_seq), x.t, q.queue_id * 16 + q.queue_cur_table, x.op,"
+        " {image}, {table}, o.rare"
+        " from pgcascade.queue q,"
+        " (select case when %s::text is not null"
+        "         then row(null, null, %s, null, null)::pgcascade.event_rare end as rare) o,"
+        " (select e->>0 as op, e->1 as v, (e->>2)::timestamptz as t, n"
+        "  from json_array_elements(%s::json) with ordinality a(e, n)) x,"
+        " lateral (select {cols}) r"
+        " where q.queue_name = {queue} order by x.n"
+    ).format(
+        image=sql.SQL(rel.image),
+        table=sql.Literal(rel.canonical),
+        cols=cols,
+        queue=sql.Literal(queue),
+    )
