@@ -102,9 +102,18 @@ def test_pgbench_replicates_to_equality_while_copying(bench_replica):
 
 
 def test_worker_sigkilled_20_times_loses_and_repeats_nothing(bench_replica):
+    """SIGKILLed at random, and first at the points of the one-round-trip path: right after a
+    fetch (it finished the last batch, ticked the root and opened the next batch; nothing
+    applied) and right after a commit (applied, the batch still open on the root until the next
+    fetch: the leaf's own record wins)."""
     r = bench_replica
     r.start_ticker()
     load = pgbench(r.root, "-c", "2", "-j", "2", "-T", "20", "-R", "300")
+    for point in ("fetched", "applied"):
+        worker = r.start_worker(env={"PGCASCADE_PAUSE_AT": point, "PGCASCADE_PAUSE_MIN_EVENTS": "1"})
+        paused = f"pause point {point} (pid {worker.pid})"
+        wait_until(lambda paused=paused: paused in r.log(), 60, what=paused)
+        r.daemons.kill(worker)
     worker = r.start_worker()
     rng = random.Random(7)
     for _ in range(20):
@@ -115,6 +124,7 @@ def test_worker_sigkilled_20_times_loses_and_repeats_nothing(bench_replica):
     r.wait_sync()
     r.assert_equal(*PGBENCH_TABLES)
     assert_applied_once(r)
+    assert "we applied up to" in r.log(), "the root had the batch open: the leaf's record must win"
 
 
 def test_capture_follows_rotation_and_disable_insert(bench_replica):
@@ -173,10 +183,18 @@ def test_copy_process_sigkilled_in_each_state(bench_replica, state):
 
 
 def test_provider_and_subscriber_crash_and_restart(bench_replica):
+    """The root crashes, then the leaf - with commits its stopped WAL writer never wrote (a leaf
+    commits without waiting for the flush), after the worker finished their batches on the root
+    and reported its watermark - then the root again.  The root still has the ticks the leaf
+    lost (its watermark counts only flushed commits), and every change is applied once."""
     r = bench_replica
+    r.ini("leaf", r.leaf, parallel_copies=2, watermark_period=0.1)
     r.start_ticker()
-    r.start_worker()
+    worker = r.start_worker()
     for cluster in (r.root.cluster, r.leaf.cluster, r.root.cluster):
+        if cluster is r.leaf.cluster:
+            worker = crash_leaf_losing_commits(r, worker)
+            continue
         load = pgbench(r.root, "-c", "2", "-j", "2", "-T", "3")
         assert load.wait(timeout=60) == 0, load.stderr.read()
         cluster.restart("immediate")
@@ -346,41 +364,11 @@ def test_table_removed_on_the_root_leaves_the_subscriber(replica):
         conn.execute("insert into t2 values (3)")  # and it is an ordinary table again
 
 
-@pytest.mark.parametrize("point", ["fetched", "applied"])
-def test_worker_killed_after_its_fetch_or_its_commit_applies_once(bench_replica, point):
-    """The worker's fetch finishes the last batch, ticks the root and opens the next batch in one
-    provider transaction; a small batch is then applied and committed in one round trip, and
-    finished with the next fetch.  SIGKILLed right after the fetch (the tick made, nothing
-    applied), or right after the commit (applied, still open on the root), the restarted worker
-    applies every change once: after the commit it finds its own record ahead and resumes."""
-    r = bench_replica
-    r.start_ticker()
-    load = pgbench(r.root, "-c", "2", "-j", "2", "-T", "8", "-R", "200")
-    pause = {"PGCASCADE_PAUSE_AT": point, "PGCASCADE_PAUSE_MIN_EVENTS": "1"}
-    for _ in range(3):
-        worker = r.start_worker(env=pause)
-        paused = f"pause point {point} (pid {worker.pid})"
-        wait_until(lambda paused=paused: paused in r.log(), 60, what=paused)
-        r.daemons.kill(worker)
-    r.start_worker()
-    assert load.wait(timeout=60) == 0, load.stderr.read()
-    r.wait_sync()
-    r.assert_equal(*PGBENCH_TABLES)
-    assert_applied_once(r)
-    if point == "applied":
-        assert "we applied up to" in r.log(), "the root had the batch open: the leaf's record must win"
-
-
-def test_leaf_crash_takes_back_unwritten_commits_and_they_are_applied_again(bench_replica):
-    """A leaf commits its batches without waiting for the WAL flush.  With its WAL writer
-    stopped, the commits of a burst stay in memory while the worker finishes their batches on
-    the root and reports its watermark; then the leaf crashes (its WAL writer SIGKILLed) and
-    loses them.  The root still has those ticks - the watermark counts only flushed commits -
-    so the worker applies them again, once."""
-    r = bench_replica
-    r.ini("leaf", r.leaf, parallel_copies=2, watermark_period=0.1)
-    r.start_ticker()
-    worker = r.start_worker()
+def crash_leaf_losing_commits(r, worker):
+    """A burst the leaf applies with its WAL writer stopped, then the leaf's crash (the WAL
+    writer SIGKILLed: the postmaster restarts the cluster) once its watermark was reported and
+    the root's maintenance ran behind it; the crash must take commits back.  Returns the
+    worker started again."""
     r.wait_sync()
     with r.leaf.connect() as conn:
         walwriter = conn.execute(
@@ -392,17 +380,27 @@ def test_leaf_crash_takes_back_unwritten_commits_and_they_are_applied_again(benc
         assert load.wait(timeout=60) == 0, load.stderr.read()
         r.wait_sync()
         applied = r.leaf.scalar("select last_tick from pgcascade.node")
-        time.sleep(3)  # watermark reports; the root's maintenance runs behind them
+        since = r.root.scalar("select now()")
+        wait_until(lambda: _maintained_after(r, since), 60, what="a watermark report and the root's cleanup")
         r.daemons.kill(worker)
     finally:
-        os.kill(walwriter, signal.SIGKILL)  # the postmaster restarts the leaf's cluster as after a crash
+        os.kill(walwriter, signal.SIGKILL)
     back = wait_until(lambda: _last_tick_after_restart(r), 60, what="the leaf back after its crash")
     assert back < applied, f"the crash took nothing back ({back} >= {applied}): the test proves nothing"
-    r.start_worker()
-    r.wait_sync()
-    r.assert_equal(*PGBENCH_TABLES)
-    assert_applied_once(r)
-    assert "we applied up to" in r.log()
+    return r.start_worker()
+
+
+def _maintained_after(r, since) -> bool:
+    """The leaf reported its watermark after `since`, the root's global watermark followed it
+    and its tick cleanup ran up to there."""
+    return r.root.scalar(
+        "select w.reported > %s and g.sub_last_tick >= w.watermark"
+        " and (select min(tick_id) from pgcascade.tick) >= g.sub_last_tick"
+        " from pgcascade.node_watermark w,"  # the leaf's row: the root's only subscriber
+        " pgcascade.subscription g join pgcascade.consumer c on c.co_id = g.sub_consumer"
+        " where c.co_name = '.global_watermark'",
+        (since,),
+    )
 
 
 def _last_tick_after_restart(r) -> int | None:
