@@ -148,7 +148,7 @@ def require_node(conn: psycopg.Connection, queue_name: str) -> Node:
 
 def locking_node(conn: psycopg.Connection, queue_name: str) -> psycopg.Cursor[Node]:
     """lock_node's query, its row left to fetch: in a pipeline, with other statements."""
-    cur = conn.cursor(row_factory=_node_row)
+    cur = conn.cursor(row_factory=node_rows)
     return cur.execute(
         f"select {NODE_COLUMNS} from pgcascade.node where queue_name = %s for update", (queue_name,)
     )
