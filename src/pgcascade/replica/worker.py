@@ -12,8 +12,9 @@ A branch carries every batch into its own queue (same ids, same tick ids), so ev
 queue presents identical batches and a subscriber can move to any of them.  After its batches
 the worker reports its watermark (the lowest tick it and the nodes below it need, and of a
 leaf that commits asynchronously only what its disk holds) to the provider.  A root's worker
-replays the queues of its two-way peers (a worker per peer subscription, in this process), or
-waits: a takeover may make the node a branch.
+replays the queues of its two-way peers (a worker per peer subscription, in this process; their
+batches come by `next_batch` and go peer_worker.py's way), or waits: a takeover may make the
+node a branch.
 
 Between batches the worker drives the copy state machine (seed 000), owning the states NULL
 and wanna-sync:T (copies.py); the copy processes it launches own the others (copy.py):
