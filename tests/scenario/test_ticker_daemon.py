@@ -499,7 +499,7 @@ def test_reload_rereads_the_config(make_db, write_config, daemons, cli):
     cfg = ticker_config(write_config, "reload", base_connstr=base, database_list=d1.name)
     log = logfile_of(cfg)
     daemons.start("ticker", cfg)
-    wait_ticks(d1.connstr, "q", 3)
+    wait_ticks(d1.connstr, "q", 3, timeout=30)  # a daemon just started: its interpreter's start included
     t2 = last_tick(d2.connstr, "q")
     wait_ticks(d1.connstr, "q", 3)
     assert last_tick(d2.connstr, "q") == t2, "a database not in database_list was ticked"
