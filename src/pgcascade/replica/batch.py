@@ -251,7 +251,7 @@ class Batches:
         if node.role.copies_events:
             q.branch_tick(sub, self.queue, info.cur_tick_id, info.cur_tick_time, info.cur_tick_event_seq)
         nodes.record_applied(sub, self.queue, info.cur_tick_id)
-        inline.set_sequences(sub, self.seqs, info.seq_values)
+        inline.set_sequences(sub, self.queue, self.seqs, info.seq_values)
         self.phases.mark("record")
         return stats
 

@@ -39,7 +39,11 @@ STAGE_INLINE = (
     " from json_array_elements(%s::json) e"
 )
 SETTINGS = "select set_config('session_replication_role', 'replica', true), set_config('synchronous_commit', %s, true)"
-SETVAL = "select setval(%s::regclass, %s) where %s > coalesce(pg_sequence_last_value(%s::regclass), 0)"
+# the worker reads the followed sequences now and then: one removed since (remove-seq) is left alone
+SETVAL = (
+    "select setval(s.dest_seq::regclass, %s) from pgcascade.subscriber_seq s"
+    " where s.queue_name = %s and s.dest_seq = %s and %s > coalesce(pg_sequence_last_value(s.dest_seq::regclass), 0)"
+)
 
 
 class NotAtRecord(Exception):
@@ -60,12 +64,12 @@ def stage_inline(sub: psycopg.Connection, events: str) -> None:
 
 
 def set_sequences(
-    sub: psycopg.Connection, seqs: list[tuple[str, str]], values: list[int | None] | None
+    sub: psycopg.Connection, queue: str, seqs: list[tuple[str, str]], values: list[int | None] | None
 ) -> None:
     """Move each followed sequence (provider's name, ours) up to the provider's value, never down."""
     for (_seq, dest), value in zip(seqs, values or [], strict=False):
         if value is not None:
-            sub.execute(SETVAL, (dest, value, value, dest))
+            sub.execute(SETVAL, (value, queue, dest, value))
 
 
 def takes(info: BatchInfo, appliers: dict[str, TableApplier]) -> bool:
@@ -120,7 +124,7 @@ def apply_batch(
         bind(STAGE_INLINE, (info.events,)),
         *(bind(a.set_sql or b"", a.params(0, MAX_EV_ID, None)) for a in todo),
         *(
-            bind(SETVAL, (dest, v, v, dest))
+            bind(SETVAL, (v, queue, dest, v))
             for (_seq, dest), v in zip(seqs, info.seq_values or [], strict=False)
             if v is not None
         ),
