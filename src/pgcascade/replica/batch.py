@@ -31,6 +31,7 @@ from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
 from pgcascade.pgq.queue import BatchInfo
 from pgcascade.replica import inline, peer_worker
+from pgcascade.replica import seqs as subscriber_seqs
 from pgcascade.replica import tables as subscriber
 from pgcascade.replica.apply import (
     APPLY_SETTINGS,
@@ -251,7 +252,7 @@ class Batches:
         if node.role.copies_events:
             q.branch_tick(sub, self.queue, info.cur_tick_id, info.cur_tick_time, info.cur_tick_event_seq)
         nodes.record_applied(sub, self.queue, info.cur_tick_id)
-        inline.set_sequences(sub, self.queue, self.seqs, info.seq_values)
+        subscriber_seqs.set_values(sub, self.queue, self.seqs, info.seq_values)
         self.phases.mark("record")
         return stats
 

@@ -27,6 +27,7 @@ import psycopg
 from pgcascade.capture.pgoutput import lsn_int
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq.queue import BatchInfo
+from pgcascade.replica import seqs as subscriber_seqs
 from pgcascade.replica import tables as subscriber
 from pgcascade.replica.apply import MAX_EV_ID, BatchStats, TableApplier
 
@@ -39,11 +40,6 @@ STAGE_INLINE = (
     " from json_array_elements(%s::json) e"
 )
 SETTINGS = "select set_config('session_replication_role', 'replica', true), set_config('synchronous_commit', %s, true)"
-# the worker reads the followed sequences now and then: one removed since (remove-seq) is left alone
-SETVAL = (
-    "select setval(s.dest_seq::regclass, %s) from pgcascade.subscriber_seq s"
-    " where s.queue_name = %s and s.dest_seq = %s and %s > coalesce(pg_sequence_last_value(s.dest_seq::regclass), 0)"
-)
 
 
 class NotAtRecord(Exception):
@@ -61,15 +57,6 @@ class Moved(Exception):
 def stage_inline(sub: psycopg.Connection, events: str) -> None:
     """Stage a batch whose events came inline (next_batch_events)."""
     sub.execute(STAGE_INLINE, (events,))
-
-
-def set_sequences(
-    sub: psycopg.Connection, queue: str, seqs: list[tuple[str, str]], values: list[int | None] | None
-) -> None:
-    """Move each followed sequence (provider's name, ours) up to the provider's value, never down."""
-    for (_seq, dest), value in zip(seqs, values or [], strict=False):
-        if value is not None:
-            sub.execute(SETVAL, (value, queue, dest, value))
 
 
 def takes(info: BatchInfo, appliers: dict[str, TableApplier]) -> bool:
@@ -124,7 +111,7 @@ def apply_batch(
         bind(STAGE_INLINE, (info.events,)),
         *(bind(a.set_sql or b"", a.params(0, MAX_EV_ID, None)) for a in todo),
         *(
-            bind(SETVAL, (v, queue, dest, v))
+            bind(subscriber_seqs.SETVAL, (v, queue, dest, v))
             for (_seq, dest), v in zip(seqs, info.seq_values or [], strict=False)
             if v is not None
         ),

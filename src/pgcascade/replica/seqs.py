@@ -12,6 +12,12 @@ from pgcascade.core import catalog
 from pgcascade.core.errors import UserError
 from pgcascade.core.pgconn import scalar
 
+# a followed sequence moved up to a value, never down; one removed since the caller read the list
+# (the worker reads it every watermark_period) is left alone
+SETVAL = (
+    "select setval(s.dest_seq::regclass, %s) from pgcascade.subscriber_seq s"
+    " where s.queue_name = %s and s.dest_seq = %s and %s > coalesce(pg_sequence_last_value(s.dest_seq::regclass), 0)"
+)
 SEQS = "select seq_name, dest_seq from pgcascade.subscriber_seq where queue_name = %s order by 1"
 
 
@@ -64,16 +70,17 @@ def sync_sequences(prov: psycopg.Connection, sub: psycopg.Connection, queue: str
     followed = seqs(sub, queue)
     if not followed:
         return
-    values: dict[str, int | None] = dict(
-        prov.execute(
-            "select s, pg_sequence_last_value(s::regclass) from unnest(%s::text[]) s",
-            ([s for s, _ in followed],),
-        ).fetchall()
-    )
-    for seq, dest in followed:
-        v = values.get(seq)
-        if v is not None:
-            sub.execute(
-                "select setval(%s::regclass, %s) where %s > coalesce(pg_sequence_last_value(%s::regclass), 0)",
-                (dest, v, v, dest),
-            )
+    values = prov.execute(
+        "select pg_sequence_last_value(s::regclass) from unnest(%s::text[]) with ordinality u(s, o) order by o",
+        ([s for s, _ in followed],),
+    ).fetchall()
+    set_values(sub, queue, followed, [v for (v,) in values])
+
+
+def set_values(
+    sub: psycopg.Connection, queue: str, followed: list[tuple[str, str]], values: list[int | None] | None
+) -> None:
+    """Move each followed sequence (provider's name, ours) up to the provider's value, never down."""
+    for (_seq, dest), value in zip(followed, values or [], strict=False):
+        if value is not None:
+            sub.execute(SETVAL, (value, queue, dest, value))
