@@ -281,6 +281,15 @@ def wake_consumers(conn: psycopg.Connection, queue: str) -> None:
     conn.execute("select pg_notify(%s, %s)", (TICK_CHANNEL, queue))
 
 
+def consumer_listens(conn: psycopg.Connection, queue: str, wait: float, seen_event_seq: int | None) -> bool:
+    """Set the queue's doorbell for `wait` seconds (producers notify while it rings), then say
+    whether events numbered after `seen_event_seq` exist, committed or not (05_doorbell.sql)."""
+    row = conn.execute(
+        "select pgcascade.consumer_listens(%s, %s, %s)", (queue, round(wait * 1000), seen_event_seq)
+    ).fetchone()
+    return bool(row and row[0])
+
+
 def listen(conn: psycopg.Connection) -> None:
     conn.execute(f"listen {TICK_CHANNEL}")
 

@@ -4,9 +4,11 @@ Each round reads the node and its tables, drives the copy state machine, and fet
 batch in one round trip to the provider (`next_batch_events`: it also finishes the batch
 applied last, and ticks the provider's queue when this consumer is caught up and committed
 changes wait there, so a change waits for no ticker).  The batch's transaction is batch.py's;
-a small one is applied in one round trip (inline.py).  A caught-up worker asks again after a
-millisecond, then less often while nothing comes (a provider that makes its own ticks - a
-branch, a root with logical capture - notifies them, and the worker just waits for that).
+a small one is applied in one round trip (inline.py).  A caught-up worker sleeps on LISTEN: a
+provider that makes its own ticks (a branch, a root with logical capture) notifies them; on a
+root whose consumers make the ticks, the worker rings the queue's doorbell before it sleeps and
+the capture triggers notify the commits that follow (05_doorbell.sql) - no polling, no tick to
+wait for.
 
 A branch carries every batch into its own queue (same ids, same tick ids), so every node with a
 queue presents identical batches and a subscriber can move to any of them.  After its batches
@@ -62,7 +64,10 @@ from pgcascade.replica.state import Phase
 log = logging.getLogger("pgcascade.replay")
 
 INLINE_EVENTS = 2000  # a batch of at most this many event ids comes inline with next_batch_events
-POLL_MIN, POLL_MAX = 0.001, 0.05  # a caught-up worker asks again after this long, doubling while idle
+POLL_MIN, POLL_MAX = 0.001, 0.05  # events numbered, none committed: ask again after this long, doubling
+# a caught-up worker whose provider ticks on demand sleeps on LISTEN this long, doubling while
+# idle; its doorbell rings that long and a little more (the round after a wake-up)
+LISTEN_MIN, LISTEN_MAX, LISTEN_SLACK = 0.01, 1.0, 0.005
 
 
 def batch_cap(tables: list[subscriber.SubscriberTable], applied: int | None) -> int | None:
@@ -104,6 +109,8 @@ class Worker(Batches, Daemon):
         self.unfinished: tuple[str | None, int] | None = None
         self.polls = False  # the provider's queue ticks when its consumers ask (trigger capture)
         self.poll_delay = POLL_MIN
+        self.listen_wait = LISTEN_MIN
+        self.seen_event_seq: int | None = None  # the event sequence at the tick last fetched to
         self.durability = inline.Durability.new()
         self.seqs: list[tuple[str, str]] = []  # followed sequences (name, here), read every watermark_period
         self.fresh: tuple[nodes.Node, list[subscriber.SubscriberTable]] | None = None
@@ -187,16 +194,45 @@ class Worker(Batches, Daemon):
             self.sleep_on_peers(seconds)
             return
         if self.prov is not None and not self.prov.closed:
-            deadline = time.monotonic() + (min(seconds, self.poll_delay) if self.polls else seconds)
-            me = self.prov.info.backend_pid
             try:
-                while (left := deadline - time.monotonic()) > 0:
-                    if any(n.pid != me for n in self.prov.notifies(timeout=left, stop_after=1)):
-                        return
+                if not self.polls:
+                    self.notified(seconds)
+                elif not self.notified():
+                    self.notified(self.listen(seconds))
                 return
             except psycopg.Error:
                 self.drop_connections()
         time.sleep(seconds)
+
+    def listen(self, seconds: float) -> float:
+        """A consumer that makes its provider's ticks: ring the queue's doorbell and say how long
+        to sleep on LISTEN - a while (longer each idle round, at most `seconds`) when no event
+        waits, or the poll delay when some were numbered but not committed at the last fetch
+        (their producer may have looked at the doorbell before it rang)."""
+        assert self.prov is not None
+        wait = min(seconds, self.listen_wait)
+        if q.consumer_listens(self.prov, self.queue, wait + LISTEN_SLACK, self.seen_event_seq):
+            return min(wait, self.poll_delay)
+        self.listen_wait = min(2 * self.listen_wait, LISTEN_MAX)
+        return wait
+
+    def notified(self, timeout: float = 0.0) -> bool:
+        """Whether a tick of this queue or a producer ringing its doorbell notified (within
+        `timeout`); takes every notification received so far (ticks this worker made do not count)."""
+        assert self.prov is not None
+        me, deadline = self.prov.info.backend_pid, time.monotonic() + timeout
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            got = [
+                n
+                for n in self.prov.notifies(timeout=left, stop_after=1)
+                if n.pid != me and n.payload == self.queue
+            ]
+            if got:
+                list(self.prov.notifies(timeout=0))  # the ones that came with it
+                return True
+            if left <= 0:
+                return False
 
     def sleep_on_peers(self, seconds: float) -> None:
         """A master: wait for the next tick of any peer's queue, at most `seconds`."""
@@ -273,6 +309,11 @@ class Worker(Batches, Daemon):
         self.report_watermark(sub, prov, node)
         # caught up: ask again soon, then less often while nothing comes
         self.poll_delay = POLL_MIN if info.batch_id is not None else min(2 * self.poll_delay, POLL_MAX)
+        if info.batch_id is not None:
+            self.listen_wait = LISTEN_MIN
+        self.seen_event_seq = (
+            info.cur_tick_event_seq if info.batch_id is not None else info.prev_tick_event_seq
+        )
         return info.batch_id is not None
 
     def work_peers(self, sub: psycopg.Connection) -> bool:

@@ -128,8 +128,10 @@ declare
     name_expr text := 'format(''%%I.%%I'', TG_TABLE_SCHEMA, TG_TABLE_NAME)';
     part_check text := '';
     table_lit text := quote_literal(pgcascade.canonical_name(i_table));
+    ring text;  -- wakes the queue's listening consumers (05_doorbell.sql)
 begin
     q := pgcascade.find_queue(i_queue);
+    ring := replace(pgcascade.ring_sql(q), '%', '%%');
     if partitioned then
         -- events of a partition carry the table's name; one detached since is not ours any more
         name_expr := replace(table_lit, '%', '%%');
@@ -202,7 +204,7 @@ begin$f$ || replace(part_check, '%', '%%') || $f$
     if current_setting('pgcascade.forward', true) = 'off' then  -- set with pgcascade.origin
         return null;
     end if;
-    %s;
+    %s;$f$ || ring || $f$
     return null;
 end $f$;
         execute format('create or replace function pgcascade.%I() returns trigger language plpgsql%s as %L',
@@ -234,7 +236,7 @@ begin
             quote_ident(TG_TABLE_SCHEMA), quote_ident(TG_TABLE_NAME), %s, %s using errcode = '55000';
     else
         %s;
-    end if;
+    end if;$f$ || ring || $f$
     return null;
 end $f$, table_lit,
                 format(q_insert, '''I''', img_new, '(select NEW.*) n'),
@@ -252,7 +254,7 @@ begin
         return null;
     end if;
     perform pgcascade.insert_event(%L, 'R', null, format('%%I.%%I', TG_TABLE_SCHEMA, TG_TABLE_NAME), null, null,
-                                   nullif(current_setting('pgcascade.origin', true), ''));
+                                   nullif(current_setting('pgcascade.origin', true), ''));$f$ || ring || $f$
     return null;
 end $f$, i_queue));
     -- a trigger function's EXECUTE right is checked when a trigger is created, not when it

@@ -22,5 +22,6 @@ begin
     end loop;
     delete from pgcascade.queue where queue_id = q.queue_id;
     execute format('drop sequence %s', q.queue_event_seq);
+    execute format('drop sequence if exists %s', pgcascade.doorbell_name(q.queue_id));
     return 1;
 end $$;

@@ -1,0 +1,57 @@
+-- A queue's doorbell: how a consumer that makes its queue's ticks on demand (next_batch_events)
+-- sleeps on LISTEN pgcascade_tick instead of polling, and is woken the moment a change commits.
+--
+-- The doorbell is a sequence per queue (migration 19) holding the time, in ms since the epoch,
+-- until which some consumer listens.  The consumer sets it (consumer_listens) and only then
+-- reads the queue's event sequence: events numbered before that are pending and it polls for
+-- them; a producer numbers its events first and reads the doorbell after (ring_sql), so any
+-- event it numbers after the consumer looked finds the doorbell set and its transaction
+-- notifies at commit.  Sequences are not transactional: each side sees the other's write at
+-- once, whatever its snapshot.  Nobody clears the doorbell: it runs out, so a consumer that
+-- dies asleep costs producers a NOTIFY for at most its last wait, and two consumers never
+-- clear each other's.  A producer rings only while a consumer listens: under load consumers
+-- are busy applying, the doorbell runs out, and commits pay no NOTIFY (whose commit-time lock
+-- would serialize them).
+
+-- pgcascade.doorbell_name(queue_id) -> the qualified name of the queue's doorbell sequence.
+create or replace function pgcascade.doorbell_name(i_queue_id int4) returns text
+language sql immutable as $$ select format('pgcascade.%I', format('event_%s_wake_seq', i_queue_id)) $$;
+
+-- pgcascade.ring_sql(queue) -> the PL/pgSQL statement with which a capture function, right after
+-- it inserted its events (FOUND), notifies the queue's listening consumers; '' for a queue
+-- without a doorbell (one created by a release before it, until the next install).
+create or replace function pgcascade.ring_sql(q pgcascade.queue) returns text
+language plpgsql stable as $$
+begin
+    if to_regclass(pgcascade.doorbell_name(q.queue_id)) is null then
+        return '';
+    end if;
+    return format($r$
+    if found and (select last_value from %s) > (extract(epoch from clock_timestamp()) * 1000)::int8 then
+        perform pg_notify('pgcascade_tick', %L);
+    end if;$r$, pgcascade.doorbell_name(q.queue_id), q.queue_name);
+end $$;
+
+-- pgcascade.consumer_listens(queue, wait_ms, seen_event_seq) -> whether events numbered after
+-- `seen_event_seq` (the consumer's last tick's) exist, committed or not.  Sets the doorbell to
+-- now + wait_ms first (never lower), so producers numbering events from now on notify; when it
+-- returns false the caller may sleep on LISTEN for wait_ms.  A queue without a doorbell answers
+-- true: its consumer polls.
+create or replace function pgcascade.consumer_listens(i_queue_name text, i_wait_ms int8, i_seen_event_seq int8)
+returns bool
+language plpgsql as $$
+declare
+    q pgcascade.queue;
+    bell regclass;
+    until_ms int8 := (extract(epoch from clock_timestamp()) * 1000)::int8 + i_wait_ms;
+begin
+    q := pgcascade.find_queue(i_queue_name);
+    bell := to_regclass(pgcascade.doorbell_name(q.queue_id));
+    if bell is null then
+        return true;
+    end if;
+    if coalesce(pg_sequence_last_value(bell), 0) < until_ms then
+        perform setval(bell, until_ms);
+    end if;
+    return coalesce(pg_sequence_last_value(q.queue_event_seq), 0) > coalesce(i_seen_event_seq, 0);
+end $$;
