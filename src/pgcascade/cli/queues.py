@@ -5,13 +5,13 @@ from __future__ import annotations
 import sys
 
 import click
+import psycopg
 
 from pgcascade.cli.context import Context, Duration, echo_json, pass_ctx
 from pgcascade.core.config import known_keys
 from pgcascade.core.daemon import setup_logging
 from pgcascade.core.errors import UserError, redact
 from pgcascade.monitor import report
-from pgcascade.monitor import status as monitor
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
 
@@ -106,7 +106,7 @@ def status(ctx: Context, as_json: bool, check: bool, max_lag: float | None) -> N
         if node is None:
             if as_json or check:
                 raise UserError("this database is not a node of a set: --json and --check report on a node")
-            monitor.print_queue_status(conn)
+            print_status(conn)
         elif check:
             verdict = report.check(report.node_report(conn, node), max_lag)
             click.echo(verdict.line)
@@ -114,7 +114,18 @@ def status(ctx: Context, as_json: bool, check: bool, max_lag: float | None) -> N
         elif as_json:
             echo_json(report.node_report(conn, node))
         else:
-            monitor.print_node_status(conn, node)
+            print_status(conn, node)
+
+
+def print_status(conn: psycopg.Connection, node: nodes.Node | None = None) -> None:
+    """The tables a person reads; rich is loaded for them only (--check and --json, which
+    scripts run often, start without it)."""
+    from pgcascade.monitor import status as monitor
+
+    if node is None:
+        monitor.print_queue_status(conn)
+    else:
+        monitor.print_node_status(conn, node)
 
 
 @click.command("config")

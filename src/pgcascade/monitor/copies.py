@@ -18,8 +18,6 @@ from typing import Any
 import psycopg
 
 from pgcascade.core import catalog
-from pgcascade.pipeline.copy import RANGE_APP_PREFIX
-from pgcascade.pipeline.copy import progress as plan_progress
 from pgcascade.replica import tables as subscriber
 
 
@@ -40,6 +38,8 @@ def in_flight(sub: psycopg.Connection, dest_table: str) -> list[InFlight]:
         " where p.command = 'COPY FROM' and p.relid = to_regclass(%s) and p.datname = current_database()",
         (dest_table,),
     ).fetchall()
+    from pgcascade.pipeline.copy import RANGE_APP_PREFIX  # here: `status` need not load the copy's modules
+
     prefix = re.compile(re.escape(RANGE_APP_PREFIX) + r"(\d+)$")
     out = []
     for app, tuples, nbytes, secs in rows:
@@ -67,6 +67,8 @@ def copy_progress(
     sub: psycopg.Connection, prov: psycopg.Connection | None, queue: str, st: subscriber.SubscriberTable
 ) -> dict[str, Any]:
     """One in-copy table's progress, JSON-ready (docs/monitoring.md, `copies`)."""
+    from pgcascade.pipeline.copy import progress as plan_progress  # only while a table copies
+
     flights = in_flight(sub, st.dest_table)
     plans = [p for p in plan_progress(sub, queue, st.table_name) if not p["finished"]]
     if plans:
