@@ -13,8 +13,8 @@ import time
 
 import psycopg
 import pytest
+from conftest import SPARK_TEST_CONF, run_cli, table_checksum
 from conftest import query_checksum as checksum
-from conftest import run_cli, table_checksum
 from test_cascade import cascade  # noqa: F401 (a fixture)
 from test_replication import PGBENCH_TABLES, pgbench, pgbench_init
 from test_two_way import make_tables, two_way  # noqa: F401 (a fixture)
@@ -56,7 +56,8 @@ def leaf_exec(replica, *statements: str) -> None:
 @pytest.fixture(scope="module")
 def spark(tmp_path_factory):
     ini = tmp_path_factory.mktemp("spark") / "spark.ini"
-    ini.write_text("[pgcascade]\njob_name = spark_tests\nspark_master = local[2]\n")
+    keys = {"job_name": "spark_tests", "spark_master": "local[2]", **SPARK_TEST_CONF}
+    ini.write_text("[pgcascade]\n" + "".join(f"{k} = {v}\n" for k, v in keys.items()))
     session = build_session(load_config(ini))
     yield session
     session.stop()
