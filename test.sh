@@ -26,5 +26,7 @@ fi
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
 # two xdist workers, a module's tests on one of them (its module-scoped clusters and Spark are
 # made once): the tests mostly wait on daemons, so two run in about 60% of the time of one;
+# modules go to the workers longest first (tests/conftest.py orders them; xdist's own reorder,
+# by number of tests, would leave single long Spark modules for the end);
 # PGCASCADE_TEST_WORKERS=0 runs them in this process
-exec .venv/bin/pytest -n "${PGCASCADE_TEST_WORKERS:-2}" --dist loadscope "${paths[@]}" "$@"
+exec .venv/bin/pytest -n "${PGCASCADE_TEST_WORKERS:-2}" --dist loadscope --no-loadscope-reorder "${paths[@]}" "$@"
