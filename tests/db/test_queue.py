@@ -458,3 +458,29 @@ def test_xid8_of_gives_the_full_id_of_a_row_writer_this_transaction_included(db)
         own = conn.execute("select pg_current_xact_id()").fetchone()[0]
         widened = dict(conn.execute("select id, pgcascade.xid8_of(xmin) from t").fetchall())
     assert widened == {1: committed, 2: own}
+
+
+def test_a_long_transaction_committed_between_two_ticks_is_not_inlined(qdb):
+    # its events were numbered before the earlier tick, so the ticks' event counters say the
+    # batch is empty: inlining would aggregate every event into one JSON text (past 1 GB for
+    # a 5M-row UPDATE: an error at every try), so the count of what committed decides
+    with qdb.connect() as writer, qdb.connect() as conn:
+        with writer.transaction():
+            ids = [q.insert_event(writer, Q, "t", str(i)) for i in range(5)]
+            q.ticker(conn, Q)  # numbers 1..5 are taken, none committed
+            q.finish_batch(conn, q.next_batch_info(conn, Q, "c1").batch_id)
+        q.ticker(conn, Q)
+        info = q.next_batch_events(
+            conn, Q, "c1", finish=None, max_events=None, max_tick=None, inline_events=3
+        )
+        assert info.cur_tick_event_seq == info.prev_tick_event_seq  # the counters see nothing
+        assert info.events is None and info.event_sql is not None
+        with conn.cursor(row_factory=psycopg.rows.dict_row) as cur:
+            assert [ev["ev_id"] for ev in cur.execute(info.event_sql)] == ids
+        q.finish_batch(conn, info.batch_id)
+        q.insert_event(conn, Q, "t", "small")
+        q.ticker(conn, Q)
+        small = q.next_batch_events(
+            conn, Q, "c1", finish=None, max_events=None, max_tick=None, inline_events=3
+        )
+        assert small.event_sql is None and '"small"' in (small.events or "")

@@ -127,6 +127,64 @@ def test_worker_sigkilled_20_times_loses_and_repeats_nothing(bench_replica):
     assert "we applied up to" in r.log(), "the root had the batch open: the leaf's record must win"
 
 
+def test_worker_sigkilled_mid_stream_and_mid_apply_of_a_large_transaction(bench_replica):
+    """One 100,000-row UPDATE on the root, open across ticks (its events are numbered before
+    the ticks that pass while it runs), is one batch: the worker is SIGKILLed while it streams
+    the batch into its staging table, while the set-based statement runs, and after the rows
+    are written but before the tick is recorded; each time the leaf keeps nothing of it, and
+    the restarted worker applies it whole, each row once (an audit trigger counts the writes)."""
+    r = bench_replica
+    with r.leaf.connect() as conn:
+        conn.execute("create table accounts_audit (aid int4)")
+        conn.execute(
+            "create function audit_accounts() returns trigger language plpgsql as $$"
+            " begin insert into accounts_audit select aid from new_rows; return null; end $$"
+        )
+        conn.execute(
+            "create trigger audit after update on pgbench_accounts referencing new table as new_rows"
+            " for each statement execute function audit_accounts()"
+        )
+        conn.execute("alter table pgbench_accounts enable always trigger audit")
+    r.start_ticker()
+    worker = r.start_worker()
+    r.wait_sync()
+    with r.root.connect() as conn:
+        conn.execute("begin")
+        conn.execute("update pgbench_accounts set abalance = abalance + 7")
+        n = r.root.scalar("select count(*) from pgbench_accounts")
+        before = r.root.scalar("select coalesce(max(tick_id), 0) from pgcascade.tick")
+        wait_until(  # ticks pass while it is open
+            lambda: r.root.scalar("select max(tick_id) from pgcascade.tick") > before + 1, 30, what="ticks"
+        )
+        conn.execute("commit")
+
+    mid_stream = (
+        "select count(*) from pg_stat_progress_copy p join pg_stat_activity a using (pid)"
+        " where p.datname = current_database() and p.tuples_processed > 1000"
+        " and a.query like 'copy pg_temp.pgcascade_stage%'"
+    )
+    mid_apply = (
+        "select count(*) from pg_stat_activity where datname = current_database() and state = 'active'"
+        " and query like 'with net as%'"
+    )
+    for what, query in (("mid-stream", mid_stream), ("mid-apply", mid_apply)):
+        wait_until(lambda query=query: r.leaf.scalar(query), 120, interval=0.01, what=what)
+        r.daemons.kill(worker)
+        worker = r.start_worker(
+            env={"PGCASCADE_PAUSE_AT": "applied-not-recorded", "PGCASCADE_PAUSE_MIN_EVENTS": str(n)}
+        )
+    paused = f"pause point applied-not-recorded (pid {worker.pid})"
+    wait_until(lambda: paused in r.log(), 120, what=paused)
+    r.daemons.kill(worker)
+    with r.leaf.connect() as conn:
+        assert conn.execute("select count(*) from accounts_audit").fetchone()[0] == 0
+    r.start_worker()
+    r.wait_sync()
+    r.assert_equal(*PGBENCH_TABLES)
+    with r.leaf.connect() as conn:
+        assert conn.execute("select count(*), count(distinct aid) from accounts_audit").fetchone() == (n, n)
+
+
 def test_capture_follows_rotation_and_disable_insert(bench_replica):
     """The capture triggers write into the queue's current partition (built into them): every
     rotation under load regenerates them, and nothing is lost or applied twice; disable_insert

@@ -153,7 +153,7 @@ def next_batch_events(
 ) -> BatchInfo:
     """One round trip: finish batch `finish` (if still open), tick the queue if the consumer is
     caught up and committed events wait, open the next batch and return it - with its events
-    inline when it holds at most `inline_events` event ids - and the values of `seqs`."""
+    inline when it holds at most `inline_events` events - and the values of `seqs`."""
     with conn.cursor(row_factory=class_row(BatchInfo)) as cur:
         row = cur.execute(
             "select * from pgcascade.next_batch_events(%s, %s, %s, %s, %s, true, %s, %s)",
@@ -254,6 +254,13 @@ def batch_event_sql(conn: psycopg.Connection, batch_id: int) -> str:
     row = conn.execute("select pgcascade.batch_event_sql(%s)", (batch_id,)).fetchone()
     assert row is not None
     return row[0]
+
+
+def unordered(event_sql: str) -> str:
+    """A batch's query (batch_event_sql, which ends by ordering the events) without its ORDER BY,
+    for a reader that stores the events and orders them itself (a staging table): the provider
+    then streams them as it reads them instead of sorting the whole batch first."""
+    return event_sql.removesuffix(" order by 1")
 
 
 def queue_id(conn: psycopg.Connection, queue: str) -> int:

@@ -91,7 +91,7 @@ def stage_batch(
     `peer`: a two-way peer's batch (PEER_SELECT; `peer_logical`: the peer captures logically)."""
     ensure_stage(sub)
     assert batch.batch_id is not None
-    batch_sql = batch.event_sql or q.batch_event_sql(prov, batch.batch_id)
+    batch_sql = q.unordered(batch.event_sql or q.batch_event_sql(prov, batch.batch_id))
     cols = sql.SQL(CARRY_COLUMNS if carry or peer else STAGE_COLUMNS)
     select = sql.SQL(PEER_SELECT.format(PEER_TIME[peer_logical])) if peer else cols
     conditions: list[sql.Composable] = [sql.SQL("(ev_extra4 is null or ev_type = 'EXECUTE')")] if peer else []

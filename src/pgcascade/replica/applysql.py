@@ -4,14 +4,18 @@ It reduces the table's row events of a segment (`lo <= ev_id < hi`) in the stagi
 last one per key - `net`, each event's row built once, typed as the destination's row - and
 applies that, in one statement:
 
-- **upsert**, where the destination has a unique index on the key: a DELETE of the keys whose
-  last event is D, and one INSERT ... ON CONFLICT (key) DO UPDATE of the others.
-- **update, then insert**, where it has none but the key is unique on the provider: a
-  partitioned destination can have a unique index only if it holds the partition key, so a
-  table partitioned by another column than the provider's key has none.  A DELETE, an
-  UPDATE ... FROM of the keys the destination holds, an INSERT of the others (NOT EXISTS under
-  the statement's snapshot, which the DELETE and UPDATE do not change).
-- **with a row filter** (add-table --where), either shape: a key whose last row fails the
+- A DELETE of the keys whose last event is D, an UPDATE ... FROM of the keys the destination
+  holds, and an INSERT of the others (NOT EXISTS under the statement's snapshot, which the
+  DELETE and UPDATE do not change).  An UPDATE costs less than INSERT ... ON CONFLICT DO UPDATE
+  on a key that exists (which probes the index for the conflict, then locks the row with a WAL
+  record of its own, then updates it): 5,000,000 updated rows took 78 s against 97 s.
+- Where the destination has a unique index on the key, the INSERT still says ON CONFLICT (a
+  row another session inserted meanwhile), and it is skipped outright when the UPDATE matched
+  every key (the counts agree: one row per key at most), so a batch of updates pays for no
+  NOT EXISTS probes.  Without one - a partitioned destination can have a unique index only if
+  it holds the partition key, so a table partitioned by another column than the provider's key
+  has none - the key must be unique on the provider, and every INSERT probes.
+- **with a row filter** (add-table --where): a key whose last row fails the
   filter is deleted like a D - an UPDATE that moved the row out of the filter removes it - and
   one that passes is upserted - an UPDATE that moved it in inserts it.  The filter is evaluated
   on the net row only, in a scalar subquery whose FROM is that row's columns, so its names bind
@@ -88,15 +92,20 @@ def set_based_sql(s: Shape) -> sql.Composed:
     ctes.append(
         sql.SQL("del as (delete from {} t using {} net where {} and {})").format(dest, src, gone, key_match)
     )
-    if not s.on_conflict and non_keys:
+    tail = sql.SQL(" and not exists (select 1 from {} t where {})").format(dest, key_match)
+    if non_keys:
         sets = sql.SQL(", ").join(sql.SQL("{} = {}").format(sql.Identifier(c), _row_col(c)) for c in non_keys)
         ctes.append(
-            sql.SQL("upd as (update {} t set {} from {} net where {} and {})").format(
+            sql.SQL("upd as (update {} t set {} from {} net where {} and {} returning 1)").format(
                 dest, sets, src, stays, key_match
             )
         )
-    if s.on_conflict:
-        tail = sql.SQL(" on conflict ({}) {}").format(
+        if s.on_conflict:  # a key matches one row at most: every key was there if the counts agree
+            tail = sql.SQL(
+                " and (select count(*) from upd) < (select count(*) from {} net where {}){}"
+            ).format(src, stays, tail)
+    if s.on_conflict:  # a row another session inserted since the statement began
+        tail += sql.SQL(" on conflict ({}) {}").format(
             sql.SQL(", ").join(map(sql.Identifier, s.keys)),
             sql.SQL("do update set {}").format(
                 sql.SQL(", ").join(sql.SQL("{0} = excluded.{0}").format(sql.Identifier(c)) for c in non_keys)
@@ -104,8 +113,6 @@ def set_based_sql(s: Shape) -> sql.Composed:
             if non_keys
             else sql.SQL("do nothing"),
         )
-    else:
-        tail = sql.SQL(" and not exists (select 1 from {} t where {})").format(dest, key_match)
     return sql.SQL(
         "with {ctes} insert into {dest} ({cols}){overriding} select {rcols} from {src} net where {stays}{tail}"
     ).format(

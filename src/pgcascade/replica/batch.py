@@ -242,6 +242,7 @@ class Batches:
         stats = apply_staged(sub, appliers, queue=self.queue, ddl=DdlReplay(node).replay)
         if rows_applied is not None:
             stats.add(rows_applied)
+        pause_point("applied-not-recorded", events=stats.count)  # written, the tick not recorded
         self.phases.mark("apply")
         if node.combined_queue:
             merge_staged(sub, node.combined_queue, self.queue, info.cur_tick_id, list(appliers))

@@ -63,7 +63,7 @@ from pgcascade.replica.state import Phase
 
 log = logging.getLogger("pgcascade.replay")
 
-INLINE_EVENTS = 2000  # a batch of at most this many event ids comes inline with next_batch_events
+INLINE_EVENTS = 2000  # a batch of at most this many events comes inline with next_batch_events
 POLL_MIN, POLL_MAX = 0.001, 0.05  # events numbered, none committed: ask again after this long, doubling
 # a caught-up worker whose provider ticks on demand sleeps on LISTEN this long, doubling while
 # idle; its doorbell rings that long and a little more (the round after a wake-up)

@@ -124,6 +124,7 @@ begin
     if xip is not null then
         sql := sql || format(' union all select %s where %s and ev_txid = any(%L::int8[])', cols, cond, xip);
     end if;
+    -- readers that store the events drop this last clause (pgq/queue.py, unordered)
     return sql || ' order by 1';
 end $$;
 

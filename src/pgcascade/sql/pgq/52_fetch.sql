@@ -86,7 +86,7 @@ end $$;
 --   event_sql     the query of the batch's events, when they are not inline
 --   events        the events as a JSON array (text) of [ev_id, ev_txid, ev_type, ev_data, ev_extra1,
 --                 ev_time, ev_extra2, ev_extra3, ev_extra4], when the batch holds at most
---                 `inline_events` event ids (null otherwise)
+--                 `inline_events` events (null otherwise)
 --   row_counts    with inline events: {table: row events}
 --   other_events  with inline events: how many are not row events (I/U/D)
 --   seq_values    the current values of the sequences named in `seqs` (null: no such one)
@@ -109,6 +109,7 @@ declare
     prev_snap pg_snapshot;
     cur_snap txid_snapshot;
     xip int8[];
+    n_events int8;
 begin
     if i_finish_batch is not null then
         update pgcascade.subscription
@@ -157,6 +158,10 @@ begin
     select t.tick_snapshot::text::txid_snapshot into cur_snap from pgcascade.tick t
      where t.tick_queue = s.sub_queue and t.tick_id = cur_tick_id;
     xip := array(select x::text::int8 from pg_snapshot_xip(prev_snap) x);
+    -- at most one event more than inline: the ticks' event counters bound what was numbered
+    -- between them, not what committed between them - a long transaction numbers its events
+    -- before the earlier tick and commits them before the later one (one 5M-row UPDATE: a
+    -- JSON text past 1 GB, and an error at every try)
     with e as materialized (
         select ev.ev_id, ev.ev_time, ev.ev_txid, ev.ev_type, ev.ev_data, ev.ev_extra1, ev.ev_rare
           from pgcascade.event ev
@@ -164,14 +169,22 @@ begin
            and (ev.ev_txid >= pg_snapshot_xmax(prev_snap)::text::int8 and ev.ev_txid < txid_snapshot_xmax(cur_snap)
                 or ev.ev_txid = any(xip))
            and txid_visible_in_snapshot(ev.ev_txid, cur_snap)
-           and (ev.ev_rare is null or (ev.ev_rare).ev_owner is null or (ev.ev_rare).ev_owner = s.sub_id))
-    select (select json_agg(json_build_array(e.ev_id, e.ev_txid, e.ev_type, e.ev_data, e.ev_extra1, e.ev_time,
+           and (ev.ev_rare is null or (ev.ev_rare).ev_owner is null or (ev.ev_rare).ev_owner = s.sub_id)
+         limit i_inline_events + 1)
+    select (select count(*) from e), (select json_agg(json_build_array(e.ev_id, e.ev_txid, e.ev_type, e.ev_data, e.ev_extra1, e.ev_time,
                                              (e.ev_rare).ev_extra2, (e.ev_rare).ev_extra3, (e.ev_rare).ev_extra4)
                             order by e.ev_id)::text from e),
            (select json_object_agg(c.t, c.n) from (select e.ev_extra1 t, count(*) n from e
                                                     where e.ev_type in ('I', 'U', 'D') group by 1) c),
            (select count(*) from e where coalesce(e.ev_type, '') not in ('I', 'U', 'D'))
-      into events, row_counts, other_events;
+      into n_events, events, row_counts, other_events;
+    if n_events > i_inline_events then
+        events := null;
+        row_counts := null;
+        other_events := null;
+        event_sql := pgcascade.batch_event_sql(batch_id);
+        return;
+    end if;
     events := coalesce(events, '[]');
     row_counts := coalesce(row_counts, '{}');
 end $$;
