@@ -293,15 +293,18 @@ def apply_staged(
             " and pg_visible_in_snapshot(ev_txid::text::xid8, %s::pg_snapshot)",
             (skip,),
         )
-    with sub.pipeline():  # one round trip: the barriers, and the tables if there are none
-        barrier_rows = sub.execute(  # a repair's rows stay in the database: its function reads them
+    # one pass over the staged events (5M of them take seconds to read): the tables, and whether
+    # there are barriers at all
+    summary = sub.execute(STAGE_SUMMARY).fetchall()
+    barriers: list[tuple] = []
+    only_segment: list[tuple] | None = [(t, n, partial) for t, n, partial, _ in summary if n]
+    if any(others for *_, others in summary):
+        barriers = sub.execute(  # a repair's rows stay in the database: its function reads them
             "select ev_id, ev_type, case when ev_type <> %s then ev_data end, ev_extra1, ev_extra2"
             " from pg_temp.pgcascade_stage where ev_type not in ('I', 'U', 'D') order by ev_id",
             (q.REPAIR_EVENT,),
-        )
-        whole = sub.execute(SEGMENT_TABLES, (0, MAX_EV_ID))
-    barriers = barrier_rows.fetchall()
-    only_segment = None if barriers else whole.fetchall()
+        ).fetchall()
+        only_segment = None
     pending_truncate: list[str] = []
     lo = 0
     for ev_id, ev_type, ev_data, ev_extra1, ev_extra2 in [*barriers, (MAX_EV_ID, None, None, None, None)]:
@@ -347,6 +350,14 @@ def apply_staged(
             stats.ignored += 1
     return stats
 
+
+# per table: its row events, whether any is partial SQL, and its other events
+STAGE_SUMMARY = (
+    "select ev_extra1, count(*) filter (where ev_type in ('I', 'U', 'D')),"
+    " coalesce(bool_or(left(ev_data, 1) <> '{') filter (where ev_type in ('I', 'U', 'D')), false),"
+    " count(*) filter (where ev_type not in ('I', 'U', 'D'))"
+    " from pg_temp.pgcascade_stage group by 1 order by 1"
+)
 
 # the tables with row events in a segment: their count, and whether any is partial SQL
 SEGMENT_TABLES = (

@@ -7,14 +7,18 @@ applies that, in one statement:
 - A DELETE of the keys whose last event is D, an UPDATE ... FROM of the keys the destination
   holds, and an INSERT of the others (NOT EXISTS under the statement's snapshot, which the
   DELETE and UPDATE do not change).  An UPDATE costs less than INSERT ... ON CONFLICT DO UPDATE
-  on a key that exists (which probes the index for the conflict, then locks the row with a WAL
+  of a row that exists (which probes the index for the conflict, then locks the row with a WAL
   record of its own, then updates it): 5,000,000 updated rows took 78 s against 97 s.
-- Where the destination has a unique index on the key, the INSERT still says ON CONFLICT (a
-  row another session inserted meanwhile), and it is skipped outright when the UPDATE matched
-  every key (the counts agree: one row per key at most), so a batch of updates pays for no
-  NOT EXISTS probes.  Without one - a partitioned destination can have a unique index only if
-  it holds the partition key, so a table partitioned by another column than the provider's key
-  has none - the key must be unique on the provider, and every INSERT probes.
+- Where the destination has a unique index on the key, by the key's last event: one last
+  inserted on the provider (I) is upserted, ON CONFLICT DO UPDATE, as before (a copy may hold
+  it already; an insert pays for one probe); one last updated (U) is updated, and inserted if
+  it is missing here - which the counts tell (one row per key at most): when the UPDATE matched
+  every such key the INSERT is skipped outright, so a batch of updates pays for no NOT EXISTS
+  probes.  ON CONFLICT stays on both INSERTs (a row another session inserted meanwhile).
+- Without one - a partitioned destination can have a unique index only if it holds the
+  partition key, so a table partitioned by another column than the provider's key has none -
+  the key must be unique on the provider; every key not deleted is updated, and inserted where
+  NOT EXISTS finds none.
 - **with a row filter** (add-table --where): a key whose last row fails the
   filter is deleted like a D - an UPDATE that moved the row out of the filter removes it - and
   one that passes is upserted - an UPDATE that moved it in inserts it.  The filter is evaluated
@@ -84,7 +88,7 @@ def set_based_sql(s: Shape) -> sql.Composed:
     if s.row_filter is not None:
         ctes.append(
             sql.SQL(
-                "kept as (select net.pgcascade_row, net.ev_type <> 'D' and coalesce("
+                "kept as (select net.pgcascade_row, net.ev_type, net.ev_type <> 'D' and coalesce("
                 "(select {} from (select (net.pgcascade_row).*) pgcascade_f), false) as pgcascade_keep from net)"
             ).format(filters.embedded(s.row_filter, with_params=True))
         )
@@ -92,20 +96,10 @@ def set_based_sql(s: Shape) -> sql.Composed:
     ctes.append(
         sql.SQL("del as (delete from {} t using {} net where {} and {})").format(dest, src, gone, key_match)
     )
-    tail = sql.SQL(" and not exists (select 1 from {} t where {})").format(dest, key_match)
-    if non_keys:
-        sets = sql.SQL(", ").join(sql.SQL("{} = {}").format(sql.Identifier(c), _row_col(c)) for c in non_keys)
-        ctes.append(
-            sql.SQL("upd as (update {} t set {} from {} net where {} and {} returning 1)").format(
-                dest, sets, src, stays, key_match
-            )
-        )
-        if s.on_conflict:  # a key matches one row at most: every key was there if the counts agree
-            tail = sql.SQL(
-                " and (select count(*) from upd) < (select count(*) from {} net where {}){}"
-            ).format(src, stays, tail)
+    absent = sql.SQL(" and not exists (select 1 from {} t where {})").format(dest, key_match)
+    on_conflict: sql.Composable = sql.SQL("")
     if s.on_conflict:  # a row another session inserted since the statement began
-        tail += sql.SQL(" on conflict ({}) {}").format(
+        on_conflict = sql.SQL(" on conflict ({}) {}").format(
             sql.SQL(", ").join(map(sql.Identifier, s.keys)),
             sql.SQL("do update set {}").format(
                 sql.SQL(", ").join(sql.SQL("{0} = excluded.{0}").format(sql.Identifier(c)) for c in non_keys)
@@ -113,15 +107,39 @@ def set_based_sql(s: Shape) -> sql.Composed:
             if non_keys
             else sql.SQL("do nothing"),
         )
-    return sql.SQL(
-        "with {ctes} insert into {dest} ({cols}){overriding} select {rcols} from {src} net where {stays}{tail}"
+    insert = sql.SQL(
+        "insert into {dest} ({cols}){overriding} select {rcols} from {src} net where {stays}"
     ).format(
-        ctes=sql.SQL(", ").join(ctes),
         dest=dest,
         cols=sql.SQL(", ").join(map(sql.Identifier, s.cols)),
         overriding=sql.SQL(" overriding system value" if s.identity else ""),
         rcols=sql.SQL(", ").join(_row_col(c) for c in s.cols),
         src=src,
         stays=stays,
-        tail=tail,
     )
+    main = insert + absent + on_conflict
+    if non_keys:
+        sets = sql.SQL(", ").join(sql.SQL("{} = {}").format(sql.Identifier(c), _row_col(c)) for c in non_keys)
+        updated: sql.Composable = stays
+        if s.on_conflict:
+            # keys last inserted on the provider are upserted (a copy may hold them already),
+            # keys last updated there are updated; one missing here is inserted, unless the
+            # UPDATE matched every such key (one row per key at most: the counts tell)
+            updated = stays + sql.SQL(" and net.ev_type = 'U'")
+            ctes.append(
+                sql.SQL("ins as ({})").format(insert + sql.SQL(" and net.ev_type <> 'U'") + on_conflict)
+            )
+            main = (
+                insert
+                + sql.SQL(
+                    " and net.ev_type = 'U' and (select count(*) from upd) < (select count(*) from {} net where {})"
+                ).format(src, updated)
+                + absent
+                + on_conflict
+            )
+        ctes.append(
+            sql.SQL("upd as (update {} t set {} from {} net where {} and {} returning 1)").format(
+                dest, sets, src, updated, key_match
+            )
+        )
+    return sql.SQL("with {ctes} {main}").format(ctes=sql.SQL(", ").join(ctes), main=main)
