@@ -120,7 +120,10 @@ begin
          || format(' and (ev_rare is null or (ev_rare).ev_owner is null or (ev_rare).ev_owner = %s)', s.sub_id);
     sql := format('select %s where %s and ev_txid >= %s and ev_txid < %s',
                   cols, cond, pg_snapshot_xmax(prev_snap)::text, pg_snapshot_xmax(cur_snap)::text);
-    select array_agg(x::text::int8) into xip from pg_snapshot_xip(prev_snap) x;
+    -- transactions in progress at the earlier tick that ended by the later one; one still in
+    -- progress has no event in the batch, and probing its events (a long transaction may have
+    -- millions) at every batch would cost the provider more the longer it runs
+    select array_agg(x::text::int8) into xip from pg_snapshot_xip(prev_snap) x where pg_visible_in_snapshot(x, cur_snap);
     if xip is not null then
         sql := sql || format(' union all select %s where %s and ev_txid = any(%L::int8[])', cols, cond, xip);
     end if;

@@ -165,7 +165,9 @@ begin
     select t.tick_snapshot::text::txid_snapshot into cur_snap from pgcascade.tick t
      where t.tick_queue = s.sub_queue and t.tick_id = cur_tick_id;
     cur_tick_snapshot := cur_snap::text;
-    xip := array(select x::text::int8 from pg_snapshot_xip(prev_snap) x);
+    -- (those still in progress at the later tick left out, as in batch_event_sql)
+    xip := array(select x::text::int8 from pg_snapshot_xip(prev_snap) x
+                  where txid_visible_in_snapshot(x::text::int8, cur_snap));
     -- at most one event more than inline: the ticks' event counters bound what was numbered
     -- between them, not what committed between them - a long transaction numbers its events
     -- before the earlier tick and commits them before the later one (one 5M-row UPDATE: a
