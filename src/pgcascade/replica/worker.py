@@ -67,8 +67,10 @@ log = logging.getLogger("pgcascade.replay")
 INLINE_EVENTS = 2000  # a batch of at most this many events comes inline with next_batch_events
 POLL_MIN, POLL_MAX = 0.001, 0.05  # events numbered, none committed: ask again after this long, doubling
 # a caught-up worker whose provider ticks on demand sleeps on LISTEN this long, doubling while
-# idle; its doorbell rings that long and a little more (the round after a wake-up)
-LISTEN_MIN, LISTEN_MAX, LISTEN_SLACK = 0.01, 1.0, 0.005
+# idle, and its doorbell rings as long: after a wake-up the writers' commits stop notifying
+# within LISTEN_MIN (each notifying commit holds a cluster-wide lock through its WAL flush).  A
+# commit after the doorbell ran out and before the next ring is seen by that ring (pending).
+LISTEN_MIN, LISTEN_MAX = 0.002, 1.0
 # a two-way peer's batch costs milliseconds of conflict checks per table whatever its size: its
 # master ticks the peer's queue on demand only this many times its last batch's time after
 # fetching it, so those checks take at most half of a core and batches grow with the load
@@ -217,7 +219,7 @@ class Worker(Batches, Daemon):
         (their producer may have looked at the doorbell before it rang)."""
         assert self.prov is not None
         wait = min(seconds, self.listen_wait)
-        if q.consumer_listens(self.prov, self.queue, wait + LISTEN_SLACK, self.seen_event_seq):
+        if q.consumer_listens(self.prov, self.queue, wait, self.seen_event_seq):
             return min(wait, self.poll_delay)
         self.listen_wait = min(2 * self.listen_wait, LISTEN_MAX)
         return wait
