@@ -71,6 +71,10 @@ POLL_MIN, POLL_MAX = 0.001, 0.05  # events numbered, none committed: ask again a
 # within LISTEN_MIN (each notifying commit holds a cluster-wide lock through its WAL flush).  A
 # commit after the doorbell ran out and before the next ring is seen by that ring (pending).
 LISTEN_MIN, LISTEN_MAX = 0.002, 1.0
+# ...once its poll delay reached this (about 15 ms without changes): a worker that keeps finding
+# changes polls instead, for a doorbell ringing then made every commit notify, and the notifying
+# commits queue behind each other's WAL flushes (W1: 0.45 of no replication against 0.53)
+LISTEN_AFTER = 0.016
 # a two-way peer's batch costs milliseconds of conflict checks per table whatever its size: its
 # master ticks the peer's queue on demand only this many times its last batch's time after
 # fetching it, so those checks take at most half of a core and batches grow with the load
@@ -205,6 +209,8 @@ class Worker(Batches, Daemon):
             try:
                 if not self.polls:
                     self.notified(seconds)
+                elif self.poll_delay < LISTEN_AFTER:  # changes came lately: poll, ring nobody
+                    self.notified(min(seconds, self.poll_delay))
                 elif not self.notified():
                     self.notified(self.listen(seconds))
                 return
