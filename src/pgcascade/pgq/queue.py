@@ -150,16 +150,14 @@ def next_batch_events(
     max_tick: int | None,
     inline_events: int,
     seqs: list[str] | None = None,
-    tick: bool = True,
 ) -> BatchInfo:
     """One round trip: finish batch `finish` (if still open), tick the queue if the consumer is
     caught up and committed events wait, open the next batch and return it - with its events
-    inline when it holds at most `inline_events` events - and the values of `seqs`.  Without
-    `tick` it takes only the ticks made already."""
+    inline when it holds at most `inline_events` events - and the values of `seqs`."""
     with conn.cursor(row_factory=class_row(BatchInfo)) as cur:
         row = cur.execute(
-            "select * from pgcascade.next_batch_events(%s, %s, %s, %s, %s, %s, %s, %s)",
-            (queue, consumer, finish, max_events, max_tick, tick, inline_events, seqs),
+            "select * from pgcascade.next_batch_events(%s, %s, %s, %s, %s, true, %s, %s)",
+            (queue, consumer, finish, max_events, max_tick, inline_events, seqs),
         ).fetchone()
     assert row is not None
     return row

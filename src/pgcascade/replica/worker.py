@@ -15,8 +15,7 @@ queue presents identical batches and a subscriber can move to any of them.  Afte
 the worker reports its watermark (the lowest tick it and the nodes below it need, and of a
 leaf that commits asynchronously only what its disk holds) to the provider.  A root's worker
 replays the queues of its two-way peers (a worker per peer subscription, in this process; their
-batches come by `next_batch_events` too, their events read by query, and go peer_worker.py's
-way; the master rings each peer's doorbell before it sleeps), or waits: a takeover may make the
+batches come by `next_batch` and go peer_worker.py's way), or waits: a takeover may make the
 node a branch.
 
 Between batches the worker drives the copy state machine (seed 000), owning the states NULL
@@ -75,10 +74,6 @@ LISTEN_MIN, LISTEN_MAX = 0.002, 1.0
 # changes polls instead, for a doorbell ringing then made every commit notify, and the notifying
 # commits queue behind each other's WAL flushes (W1: 0.45 of no replication against 0.53)
 LISTEN_AFTER = 0.016
-# a two-way peer's batch costs milliseconds of conflict checks per table whatever its size: its
-# master ticks the peer's queue on demand only this many times its last batch's time after
-# fetching it, so those checks take at most half of a core and batches grow with the load
-PEER_TICK_SPACING = 2.0
 
 
 def batch_cap(tables: list[subscriber.SubscriberTable], applied: int | None) -> int | None:
@@ -122,7 +117,6 @@ class Worker(Batches, Daemon):
         self.poll_delay = POLL_MIN
         self.listen_wait = LISTEN_MIN
         self.seen_event_seq: int | None = None  # the event sequence at the tick last fetched to
-        self.tick_after = 0.0  # a peer's: no tick on demand before then (PEER_TICK_SPACING)
         self.durability = inline.Durability.new()
         self.seqs: list[tuple[str, str]] = []  # followed sequences (name, here), read every watermark_period
         self.fresh: tuple[nodes.Node, list[subscriber.SubscriberTable]] | None = None
@@ -249,26 +243,17 @@ class Worker(Batches, Daemon):
                 return False
 
     def sleep_on_peers(self, seconds: float) -> None:
-        """A master: wait for the next tick of any peer's queue, or a commit there that rings
-        its doorbell (a peer with trigger capture), at most `seconds`."""
-        workers = [w for w in self.peer_workers.values() if w.prov is not None and not w.prov.closed]
+        """A master: wait for the next tick of any peer's queue, at most `seconds`."""
+        conns = [w.prov for w in self.peer_workers.values() if w.prov is not None and not w.prov.closed]
         try:
-            if [w for w in workers if w.notified()]:  # came in during the last round's statements
-                return
-            now = time.monotonic()
-            wait = min(
-                [
-                    seconds,
-                    *(w.tick_after - now for w in workers if w.polls and w.tick_after > now),
-                    *(w.listen(seconds) for w in workers if w.polls and w.tick_after <= now),
-                ]
-            )
+            for c in conns:  # a tick that came in during the last round's statements
+                for _ in c.notifies(timeout=0, stop_after=1):
+                    return
             with selectors.DefaultSelector() as sel:
-                for w in workers:
-                    assert w.prov is not None
-                    sel.register(w.prov.fileno(), selectors.EVENT_READ)
-                if workers:
-                    sel.select(wait)
+                for c in conns:
+                    sel.register(c.fileno(), selectors.EVENT_READ)
+                if conns:
+                    sel.select(seconds)
                     return
         except psycopg.Error:
             self.drop_connections()
@@ -310,25 +295,25 @@ class Worker(Batches, Daemon):
             else None
         )
         max_tick = self.delay.limit(self.cfg, prov, node, cap)
-        info = q.next_batch_events(
-            prov,
-            self.queue,
-            node.consumer,
-            finish=self.unfinished[1] if self.unfinished and self.unfinished[0] == self.prov_node else None,
-            max_events=max_events,
-            max_tick=max_tick,
-            # peer_worker.py reads a peer's events by query
-            inline_events=-1 if node.is_peer else INLINE_EVENTS,
-            seqs=None if node.is_peer else [s for s, _ in self.seqs] or None,
-            tick=time.monotonic() >= self.tick_after,
-        )
+        if node.is_peer:  # peer_worker.py's batches: its events by query, the tick's snapshot
+            info = q.next_batch(prov, self.queue, node.consumer, max_events, max_tick)
+        else:
+            info = q.next_batch_events(
+                prov,
+                self.queue,
+                node.consumer,
+                finish=self.unfinished[1]
+                if self.unfinished and self.unfinished[0] == self.prov_node
+                else None,
+                max_events=max_events,
+                max_tick=max_tick,
+                inline_events=INLINE_EVENTS,
+                seqs=[s for s, _ in self.seqs] or None,
+            )
         self.unfinished = None
         if info.batch_id is not None:
-            fetched = time.monotonic()
             pause_point("fetched", events=(info.cur_tick_event_seq or 0) - info.prev_tick_event_seq)
             self.process_batch(sub, prov, node, tables, info)
-            if node.is_peer:
-                self.tick_after = fetched + PEER_TICK_SPACING * (time.monotonic() - fetched)
         self.report_watermark(sub, prov, node)
         # caught up: ask again soon, then less often while nothing comes
         self.poll_delay = POLL_MIN if info.batch_id is not None else min(2 * self.poll_delay, POLL_MAX)

@@ -90,21 +90,16 @@ end $$;
 --   row_counts    with inline events: {table: row events}
 --   other_events  with inline events: how many are not row events (I/U/D)
 --   seq_values    the current values of the sequences named in `seqs` (null: no such one)
---   cur_tick_snapshot  the batch's later tick's snapshot, as text (a two-way peer's marker says it)
--- `inline_events` -1: never inline (a two-way peer reads the events by query).
 -- First it finishes `finish_batch` if that is still open (the consumer applied it; finishing
 -- twice is harmless), then, with `tick`, ticks the queue if the consumer is at its newest tick,
 -- no other reader is far behind (readers_behind) and committed events wait (tick_if_waiting).
--- (dropped first: its result columns grew since release 18)
-drop function if exists pgcascade.next_batch_events(text, text, int8, int8, int8, bool, int8, text[]);
-create function pgcascade.next_batch_events(
+create or replace function pgcascade.next_batch_events(
     i_queue_name text, i_consumer text, i_finish_batch int8, i_max_events int8, i_max_tick int8,
     i_tick bool, i_inline_events int8, i_seqs text[],
     out batch_id int8, out cur_tick_id int8, out prev_tick_id int8,
     out cur_tick_time timestamptz, out prev_tick_time timestamptz,
     out cur_tick_event_seq int8, out prev_tick_event_seq int8,
-    out event_sql text, out events text, out row_counts json, out other_events int8, out seq_values int8[],
-    out cur_tick_snapshot text)
+    out event_sql text, out events text, out row_counts json, out other_events int8, out seq_values int8[])
 -- generic plans: a custom plan of the events query (pruned to the queue's partitions at plan
 -- time) looks cheaper to the plan cache, which then plans it again at every call
 language plpgsql set plan_cache_mode = force_generic_plan as $$
@@ -155,8 +150,6 @@ begin
     end if;
     if cur_tick_event_seq - prev_tick_event_seq > i_inline_events then
         event_sql := pgcascade.batch_event_sql(batch_id);
-        select t.tick_snapshot::text into cur_tick_snapshot from pgcascade.tick t
-         where t.tick_queue = s.sub_queue and t.tick_id = cur_tick_id;
         return;
     end if;
     -- the batch's events (batch_event_sql's selection) as static SQL: its plan is cached,
@@ -164,7 +157,6 @@ begin
     select t.tick_snapshot into prev_snap from pgcascade.tick t where t.tick_queue = s.sub_queue and t.tick_id = prev_tick_id;
     select t.tick_snapshot::text::txid_snapshot into cur_snap from pgcascade.tick t
      where t.tick_queue = s.sub_queue and t.tick_id = cur_tick_id;
-    cur_tick_snapshot := cur_snap::text;
     -- (those still in progress at the later tick left out, as in batch_event_sql)
     xip := array(select x::text::int8 from pg_snapshot_xip(prev_snap) x
                   where txid_visible_in_snapshot(x::text::int8, cur_snap));
