@@ -6,9 +6,9 @@ applied last, and ticks the provider's queue when this consumer is caught up and
 changes wait there, so a change waits for no ticker).  The batch's transaction is batch.py's;
 a small one is applied in one round trip (inline.py).  A caught-up worker sleeps on LISTEN: a
 provider that makes its own ticks (a branch, a root with logical capture) notifies them; on a
-root whose consumers make the ticks, the worker rings the queue's doorbell before it sleeps and
-the capture triggers notify the commits that follow (05_doorbell.sql) - no polling, no tick to
-wait for.
+root whose consumers make the ticks, the worker polls while changes keep coming (every 1-16 ms)
+and, idle, rings the queue's doorbell before it sleeps, so the capture triggers notify the
+commits that follow (05_doorbell.sql).
 
 A branch carries every batch into its own queue (same ids, same tick ids), so every node with a
 queue presents identical batches and a subscriber can move to any of them.  After its batches
