@@ -1,5 +1,6 @@
--- A queue's doorbell: how a consumer that makes its queue's ticks on demand (next_batch_events)
--- sleeps on LISTEN pgcascade_tick instead of polling, and is woken the moment a change commits.
+-- A queue's doorbell: how an idle consumer that makes its queue's ticks on demand
+-- (next_batch_events) sleeps on LISTEN pgcascade_tick instead of polling, and is woken the
+-- moment a change commits (one that keeps finding changes polls and rings nobody: worker.py).
 --
 -- The doorbell is a sequence per queue (migration 19) holding the time, in ms since the epoch,
 -- until which some consumer listens.  The consumer sets it (consumer_listens) and only then
@@ -9,9 +10,9 @@
 -- notifies at commit.  Sequences are not transactional: each side sees the other's write at
 -- once, whatever its snapshot.  Nobody clears the doorbell: it runs out, so a consumer that
 -- dies asleep costs producers a NOTIFY for at most its last wait, and two consumers never
--- clear each other's.  A producer rings only while a consumer listens: under load consumers
--- are busy applying, the doorbell runs out, and commits pay no NOTIFY (whose commit-time lock
--- would serialize them).
+-- clear each other's.  A producer notifies only while a consumer listens: under load consumers
+-- poll, the doorbell runs out, and commits pay no NOTIFY (whose commit-time lock would
+-- serialize them).
 
 -- pgcascade.doorbell_name(queue_id) -> the qualified name of the queue's doorbell sequence.
 create or replace function pgcascade.doorbell_name(i_queue_id int4) returns text
