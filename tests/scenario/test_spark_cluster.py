@@ -169,7 +169,10 @@ def test_a_master_that_grants_no_executor_fails_in_one_line(cluster_set, spark_c
     assert len(ours) == 1 and ours[0].startswith("pgcascade: no Spark executor from spark://"), out.stderr
     assert "Traceback" not in out.stderr
     assert "Initial job has not accepted any resources" in out.stderr  # Spark's own warning reaches the user
-    assert took < 45, f"gave up after {took:.0f} s"
+    # the configured 15 s, not the default 120 s: the rest is two JVMs starting on a loaded host
+    # (63 s in one CI run at load 10+, where 45 s was asserted)
+    assert "within 15 s" in ours[0], ours[0]
+    assert took < 105, f"gave up after {took:.0f} s"
 
 
 def test_spark_server_on_the_cluster_ships_pgcascade_and_refuses_a_busy_port(
