@@ -333,7 +333,7 @@ def test_consumer_class_finishes_only_on_success_and_retries_atomically(qdb):
 
 
 def test_batch_streams_in_bounded_memory(qdb):
-    n = 300_000
+    n = 30_000
     with qdb.connect() as conn:
         conn.execute(
             "select pgcascade.insert_event(%s, 'big', repeat('x', 200)) from generate_series(1, %s)", (Q, n)
@@ -349,15 +349,16 @@ def test_batch_streams_in_bounded_memory(qdb):
                 self.count += 1
                 self.total += len(ev.ev_data)
 
-    c = Counting(qdb.connstr, Q, "c1", fetch_size=2000)
+    c = Counting(qdb.connstr, Q, "c1", fetch_size=500)
     tracemalloc.start()
     c.run_once()
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     c.close()
     assert c.count == n and c.total == n * 200
-    # the batch is ~70 MB as Python objects; streaming keeps a fetch's worth
-    assert peak < 15_000_000, f"peak {peak / 1e6:.1f} MB"
+    # fetched whole, the batch peaks at ~16 MB of Python objects (measured with fetch_size=n);
+    # streaming keeps a fetch's worth (~0.6 MB)
+    assert peak < 3_000_000, f"peak {peak / 1e6:.1f} MB"
 
 
 def test_explicit_tick_ids_for_external_ticker(qdb):
