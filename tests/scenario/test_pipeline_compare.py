@@ -13,7 +13,7 @@ import time
 
 import psycopg
 import pytest
-from conftest import SPARK_TEST_CONF, run_cli, table_checksum
+from conftest import SPARK_TEST_CONF, run_cli, run_in_process, table_checksum
 from conftest import query_checksum as checksum
 from test_cascade import cascade  # noqa: F401 (a fixture)
 from test_replication import PGBENCH_TABLES, pgbench, pgbench_init
@@ -237,10 +237,13 @@ def test_compare_under_pgbench_load_reports_no_false_difference(replica, spark):
     assert counts(res)["public.pgbench_accounts"] == (0, 0, 1)
 
 
-def test_cli_compare_repair_and_count_only(synced):
+def test_cli_compare_repair_and_count_only(synced, spark):
+    """The verbs' exit codes and outputs.  `compare --json` runs as a process (what the JVM
+    might print would break the JSON); the others run in this process, on the module's Spark
+    session (a JVM each would double the time), through the same command line."""
     r = synced
     leaf_exec(r, "delete from comp where a = 35", "update words set note = 'changed' where w = 'wörd-3-ü€'")
-    out = r.cli("leaf", "compare", "comp", "words", "--no-progress", check=False, timeout=300)
+    out = run_in_process(r.leaf_ini, "compare", "comp", "words", "--no-progress")
     assert out.returncode == 3, out.stderr
     assert "public.comp: rows 3000, missing 1, extra 0, different 0: DIFFERENT" in out.stdout
     assert "public.words: rows 2000, missing 0, extra 0, different 1: DIFFERENT" in out.stdout
@@ -262,7 +265,7 @@ def test_cli_compare_repair_and_count_only(synced):
     }
     assert list(samples) == ["missing"] and [k[0] for k in samples["missing"]] == ["35"]  # key (a, b)
     fix = r.tmp / "fix.sql"
-    rep = r.cli("leaf", "repair", "--output", str(fix), check=False, timeout=300)
+    rep = run_in_process(r.leaf_ini, "repair", "--output", str(fix))
     assert rep.returncode == 3, rep.stderr
     # the file is plain SQL a DBA can read and run with psql, worker stopped (as its header says)
     r.daemons.kill(r.daemons.procs[1])
