@@ -50,6 +50,16 @@ RELAY_BYTES = 1 << 16  # a batch's COPY moves from provider to subscriber in pie
 # finished on the provider right after, so a commit lost in a crash would lose the batch.
 APPLY_SETTINGS = "set local session_replication_role = replica; set local synchronous_commit = on"
 
+# The worker's subscriber session holds the role for its whole life: PostgreSQL empties a
+# session's plan cache whenever session_replication_role changes value, so SET LOCAL at each
+# batch (and its reset at commit) had every statement planned again at every batch - the
+# PL/pgSQL functions' too (pg_stat_statements: 0.1-1 ms of planning per statement).  The SET
+# LOCALs stay (other sessions apply too: copies, the Spark copy); under the session's own
+# value they change nothing.  Plans now outlive a batch, so the set-based statements of this
+# module are never prepared (prepare=False): a batch's size and range vary from one event to
+# millions, and a plan made for one must not serve the other.
+REPLICA_SESSION = "set session_replication_role = replica"
+
 STAGE_TABLE = "pg_temp.pgcascade_stage"
 STAGE_COLUMNS = "ev_id, ev_txid, ev_type, ev_data, ev_extra1"
 # a branch carries every field of the event into its own queue
@@ -224,7 +234,7 @@ class TableApplier:
         if self.set_based and not rowwise:
             try:
                 with sub.transaction():  # a savepoint: a failed set-based attempt leaves nothing behind
-                    sub.execute(self.set_sql or b"", params)
+                    sub.execute(self.set_sql or b"", params, prepare=False)
                 return
             except (psycopg.errors.UniqueViolation, psycopg.errors.ExclusionViolation) as e:
                 log.info("%s: set-based apply hit %s; applying row by row", self.dest, type(e).__name__)
@@ -439,8 +449,8 @@ def apply_peer_tables(
         with sub.pipeline():
             results = []
             for a, (lock, stmt) in statements:
-                sub.execute(lock, peer_apply.params(a, lo, hi, peer))
-                results.append(sub.execute(stmt, peer_apply.params(a, lo, hi, peer)))
+                sub.execute(lock, peer_apply.params(a, lo, hi, peer), prepare=False)
+                results.append(sub.execute(stmt, peer_apply.params(a, lo, hi, peer), prepare=False))
     except psycopg.Error as e:
         for a in appliers:  # composed again next time: a table's columns may have changed
             a.peer_sql.clear()
@@ -464,7 +474,7 @@ def apply_set_based_together(
     try:
         with sub.pipeline(), sub.transaction():
             for a in appliers:
-                sub.execute(a.set_sql or b"", a.params(lo, hi, skip))
+                sub.execute(a.set_sql or b"", a.params(lo, hi, skip), prepare=False)
     except psycopg.OperationalError:
         raise
     except psycopg.Error:

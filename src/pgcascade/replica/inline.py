@@ -27,6 +27,7 @@ import psycopg
 from pgcascade.capture.pgoutput import lsn_int
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq.queue import BatchInfo
+from pgcascade.replica import prepared
 from pgcascade.replica import seqs as subscriber_seqs
 from pgcascade.replica import tables as subscriber
 from pgcascade.replica.apply import MAX_EV_ID, BatchStats, TableApplier
@@ -39,7 +40,10 @@ STAGE_INLINE = (
     " select (e->>0)::int8, (e->>1)::int8, e->>2, e->>3, e->>4, (e->>5)::timestamptz, e->>6, e->>7, e->>8"
     " from json_array_elements(%s::json) e"
 )
+STAGE_PREPARED = STAGE_INLINE.replace("%s", "$1").encode()
 SETTINGS = "select set_config('session_replication_role', 'replica', true), set_config('synchronous_commit', %s, true)"
+# the set-based statement of a table over the whole stage, by its composed SQL and table
+_SET_STATEMENTS: dict[tuple[bytes, str], bytes] = {}
 
 
 class NotAtRecord(Exception):
@@ -65,6 +69,19 @@ def takes(info: BatchInfo, appliers: dict[str, TableApplier]) -> bool:
     if info.events is None or info.other_events or info.row_counts is None:
         return False
     return all(appliers[t].set_based for t in info.row_counts if t in appliers)
+
+
+def set_statement(sub: psycopg.Connection, a: TableApplier) -> bytes:
+    """The table's set-based statement over the whole stage, its values as literals: prepared
+    without parameters, its plan is made once."""
+    key = (a.set_sql or b"", a.table)
+    if key not in _SET_STATEMENTS:
+        if len(_SET_STATEMENTS) > 1000:  # composed again after DDL: old ones are dropped
+            _SET_STATEMENTS.clear()
+        _SET_STATEMENTS[key] = (
+            psycopg.ClientCursor(sub).mogrify(key[0], a.params(0, MAX_EV_ID, None)).encode()
+        )
+    return _SET_STATEMENTS[key]
 
 
 @dataclass
@@ -101,30 +118,32 @@ def apply_batch(
         else:
             stats.ignored += n
     bind = psycopg.ClientCursor(sub).mogrify
+    sets = [set_statement(sub, a) for a in todo]
+    reads = [bind(nodes.NODE_QUERY, (queue,)).encode(), bind(subscriber.TABLES_QUERY, (queue,)).encode()]
+    prepared.ensure(sub, [(STAGE_PREPARED, "text"), *((body, "") for body in sets + reads)])
     statements = [
-        "begin",
-        bind(SETTINGS, ("on" if durable else "off",)),
+        b"begin",
+        bind(SETTINGS, ("on" if durable else "off",)).encode(),
         bind(
             "select pgcascade.apply_begin(%s, %s, %s, %s, %s)",
             (queue, info.prev_tick_id, info.cur_tick_id, node.provider_node, node.node_type.value),
-        ),
-        bind(STAGE_INLINE, (info.events,)),
-        *(bind(a.set_sql or b"", a.params(0, MAX_EV_ID, None)) for a in todo),
+        ).encode(),
+        prepared.execute(sub, STAGE_PREPARED, info.events),
+        *(prepared.execute(sub, body) for body in sets),
         *(
-            bind(subscriber_seqs.SETVAL, (v, queue, dest, v))
+            bind(subscriber_seqs.SETVAL, (v, queue, dest, v)).encode()
             for (_seq, dest), v in zip(seqs, info.seq_values or [], strict=False)
             if v is not None
         ),
-        "commit",
-        "select pg_current_wal_insert_lsn()::text",
-        bind(nodes.NODE_QUERY, (queue,)),
-        bind(subscriber.TABLES_QUERY, (queue,)),
+        b"commit",
+        b"select pg_current_wal_insert_lsn()::text",
+        *(prepared.execute(sub, body) for body in reads),
     ]
     cur = sub.cursor()
     try:
         # one message of the simple query protocol: one round trip (psycopg's pipeline mode
         # took several wake-ups per batch), the server stops at the first error
-        cur.execute(";\n".join(statements).encode())
+        cur.execute(b";\n".join(statements))
     except psycopg.Error as e:
         if sub.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
             sub.execute("rollback")
@@ -132,6 +151,8 @@ def apply_batch(
             raise NotAtRecord(int(e.diag.message_detail or 0)) from None
         if e.sqlstate == "PCMOV":
             raise Moved(str(e)) from None
+        if e.sqlstate in prepared.STALE:
+            prepared.forget(sub)
         raise
     for _ in range(len(statements) - 3):  # a result per statement: on to the three reads
         cur.nextset()

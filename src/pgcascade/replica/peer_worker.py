@@ -158,8 +158,8 @@ def apply_in_one(
             sub.execute(STAGE_ARRAYS, [list(col) for col in zip(*events, strict=True)])
         results = []
         for a, (lock, stmt) in todo:
-            sub.execute(lock, peer_apply.params(a, 0, MAX_EV_ID, peer))
-            results.append(sub.execute(stmt, peer_apply.params(a, 0, MAX_EV_ID, peer)))
+            sub.execute(lock, peer_apply.params(a, 0, MAX_EV_ID, peer), prepare=False)
+            results.append(sub.execute(stmt, peer_apply.params(a, 0, MAX_EV_ID, peer), prepare=False))
         bookkeeping(sub, node, peer, info.cur_tick_id, snapshot)
         seqs = sub.execute(subscriber_seqs.SEQS, (node.queue_name,))
     stats.conflicts = sum(int(row[0]) for cur in results if (row := cur.fetchone()) is not None)

@@ -49,10 +49,7 @@ from pgcascade.pgq import queue as q
 from pgcascade.replica import inline, peer_worker
 from pgcascade.replica import seqs as subscriber_seqs
 from pgcascade.replica import tables as subscriber
-from pgcascade.replica.apply import (
-    TableApplier,
-    ensure_stage,
-)
+from pgcascade.replica.apply import REPLICA_SESSION, TableApplier, ensure_stage
 from pgcascade.replica.batch import Batches, BatchPhases
 from pgcascade.replica.copies import CopyLauncher
 from pgcascade.replica.copy import BulkCopier
@@ -138,9 +135,7 @@ class Worker(Batches, Daemon):
         provider's is None while this node is the root (a root's worker waits, in case a
         takeover makes it a branch)."""
         if self.sub is None or self.sub.closed:
-            self.sub = pgconn.connect(self.db, autocommit=True, connect_timeout=10)
-            self.sub.execute("set application_name = 'pgcascade worker'")
-            ensure_stage(self.sub)
+            self.sub = self.subscriber_session()
             # what this node recorded before is durable once the WAL written so far is flushed
             self.durability = inline.Durability.new()
             tick, lsn = self.sub.execute(
@@ -175,6 +170,23 @@ class Worker(Batches, Daemon):
             # a two-way peer's capture mode decides which commit time its events carry
             self.prov_logical = node.is_peer and walcapture.is_logical(self.prov, self.queue)
         return self.sub, self.prov, node
+
+    def subscriber_session(self) -> psycopg.Connection:
+        """The worker's session on its node, set up whole or closed."""
+        sub = pgconn.connect(self.db, autocommit=True, connect_timeout=10)
+        try:
+            sub.execute("set application_name = 'pgcascade worker'")
+            try:
+                sub.execute(REPLICA_SESSION)
+            except psycopg.errors.InsufficientPrivilege:
+                # a root applies nothing; a node that applies says which grant it lacks at its
+                # first batch (SET LOCAL), and plans its statements at every batch until then
+                log.debug("session_replication_role not granted: set at each batch")
+            ensure_stage(sub)
+        except BaseException:
+            sub.close()
+            raise
+        return sub
 
     def drop_connections(self) -> None:
         for w in self.peer_workers.values():
