@@ -42,7 +42,9 @@ def test_a_table_grown_from_empty_is_applied_by_index_probes(replica):
     with replica.root.connect() as c:
         # small transactions, so the worker applies many batches as the table grows
         while time.monotonic() - started < PLAN_SECONDS + 2:
-            c.execute("insert into t select g, 'row' from generate_series(%s::int, %s::int) g", (n + 1, n + 100))
+            c.execute(
+                "insert into t select g, 'row' from generate_series(%s::int, %s::int) g", (n + 1, n + 100)
+            )
             n += 100
             time.sleep(0.02)
     replica.wait_sync()  # (reads no row of t: a checksum would scan it)
