@@ -157,6 +157,7 @@ class TableApplier:
     cols: list[str]  # columns both sides have (not generated on the subscriber), of its --columns
     set_based: bool
     set_sql: bytes | None = field(default=None, repr=False)  # composed once: composing costs ~1 ms
+    inline_sql: bytes | None = field(default=None, repr=False)  # the same over a batch's JSON (inline.py)
     event_format: str = "json"
     dest_names: frozenset[str] = frozenset()  # every column of dest when cols was computed
     json_nulls: bool = False  # dest has json/jsonb columns: read events with pgcascade.event_row
@@ -188,7 +189,7 @@ class TableApplier:
         on_conflict = catalog.has_unique_index_on(sub, self.dest, self.keys)
         self.set_based = self.event_format == "json" and (on_conflict or self.unique_at_provider)
         self.json_nulls = catalog.has_json_columns(sub, self.dest)
-        self.set_sql = None
+        self.set_sql = self.inline_sql = None
         self.peer_sql = {}
         if self.set_based:
             identity = any(c.identity for c in dest_cols if c.name in self.cols)
@@ -196,6 +197,7 @@ class TableApplier:
                 self.dest, self.keys, self.cols, identity, self.json_nulls, on_conflict, self.row_filter
             )
             self.set_sql = applysql.set_based_sql(shape).as_bytes(sub)
+            self.inline_sql = applysql.set_based_sql(shape, applysql.INLINE_EVENTS).as_bytes(sub)
 
     def after_ddl(self, sub: psycopg.Connection) -> None:
         """A script from the queue ran here as on the provider: a column it added exists on both

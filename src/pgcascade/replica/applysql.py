@@ -54,9 +54,21 @@ def _row_col(c: str) -> sql.Composed:
     return sql.SQL("(net.pgcascade_row).{}").format(sql.Identifier(c))
 
 
-def set_based_sql(s: Shape) -> sql.Composed:
+# where the events come from: the staging table, or (a batch applied in one message,
+# inline.py) the batch's JSON array of events, set in the transaction as INLINE_SETTING -
+# every table's statement reads it, so it travels once, and nothing is written to stage it
+STAGE = sql.SQL("pg_temp.pgcascade_stage")
+INLINE_SETTING = "pgcascade.inline_events"
+INLINE_EVENTS = sql.SQL(
+    "(select (e->>0)::int8 as ev_id, (e->>1)::int8 as ev_txid, e->>2 as ev_type, e->>3 as ev_data,"
+    " e->>4 as ev_extra1 from json_array_elements(current_setting({})::json) e)"
+).format(sql.Literal(INLINE_SETTING))
+
+
+def set_based_sql(s: Shape, source: sql.Composable = STAGE) -> sql.Composed:
     """The statement, with parameters t (the table as in ev_extra1), lo, hi and skip (a copy's
-    snapshot: events visible in it are in the copied rows)."""
+    snapshot: events visible in it are in the copied rows); the events are read from
+    `source` (STAGE or INLINE_EVENTS)."""
     dest = sql.SQL(s.dest)  # canonical name, quoted by the server
     # keys compare with the types' equality (as the unique index does), and typed rows sort
     # cheaper than their JSON text
@@ -75,14 +87,14 @@ def set_based_sql(s: Shape) -> sql.Composed:
     ctes = [
         sql.SQL(
             "net as ("
-            " select distinct on ({keys}) s.ev_type, pgcascade_row from pg_temp.pgcascade_stage s"
+            " select distinct on ({keys}) s.ev_type, pgcascade_row from {source} s"
             " cross join lateral {populate} pgcascade_row"
             " where s.ev_extra1 = %(t)s and s.ev_id >= %(lo)s and s.ev_id < %(hi)s"
             " and s.ev_type in ('I', 'U', 'D')"
             " and (%(skip)s::text is null"
             "      or not txid_visible_in_snapshot(s.ev_txid, %(skip)s::text::txid_snapshot))"
             " order by {keys}, s.ev_id desc)"
-        ).format(keys=key_exprs, populate=populate)
+        ).format(keys=key_exprs, source=source, populate=populate)
     ]
     src, gone, stays = sql.SQL("net"), sql.SQL("net.ev_type = 'D'"), sql.SQL("net.ev_type <> 'D'")
     if s.row_filter is not None:

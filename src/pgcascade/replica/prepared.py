@@ -3,8 +3,8 @@
 A batch applied in one message of the simple query protocol (inline.py) had every statement
 parsed and planned again at each batch: a table's set-based statement took 0.8-1.1 ms to plan
 (pg_stat_statements, pgbench -N at 300 tps), more than it took to run.  Prepared (SQL
-`PREPARE`, so that the batch stays one message) with its values as literals, a statement has
-one plan, made at its first execution.
+`PREPARE`, so that the batch stays one message) with its values as literals (no parameters), a
+statement has one plan, made at its first execution.
 
 That plan is only as good as the table was then: one made while `pgbench_history` was empty
 scanned the whole table at every batch once it had grown (a sequential scan of an empty table
@@ -39,37 +39,29 @@ def name_of(body: bytes) -> str:
     return "pgcascade_" + hashlib.sha1(body).hexdigest()[:20]
 
 
-def ensure(conn: psycopg.Connection, bodies: list[tuple[bytes, str]]) -> None:
+def ensure(conn: psycopg.Connection, bodies: list[bytes]) -> None:
     """Prepare in one round trip what this session has not prepared, or prepared more than
-    PLAN_SECONDS ago: (body, its parameters' types such as "text", or "" for none).  Outside
-    a transaction, so a batch that fails after it takes nothing back."""
+    PLAN_SECONDS ago.  Outside a transaction, so a batch that fails after it takes nothing
+    back."""
     done = _PREPARED.setdefault(conn, {})
     now = time.monotonic()
-    todo: dict[str, tuple[bytes, str]] = {}
-    for body, types in bodies:
-        name = name_of(body)
-        if now - done.get(name, -PLAN_SECONDS) >= PLAN_SECONDS:
-            todo[name] = (body, types)
+    todo = {
+        name_of(body): body for body in bodies if now - done.get(name_of(body), -PLAN_SECONDS) >= PLAN_SECONDS
+    }
     if not todo:
         return
     statements = []
-    for name, (body, types) in todo.items():
+    for name, body in todo.items():
         if name in done:
             statements.append(b"deallocate " + name.encode())
-        statements.append(
-            b"prepare %s%s as %s" % (name.encode(), f"({types})".encode() if types else b"", body)
-        )
+        statements.append(b"prepare %s as %s" % (name.encode(), body))
     conn.execute(b";\n".join(statements))
     done.update(dict.fromkeys(todo, now))
 
 
-def execute(conn: psycopg.Connection, body: bytes, *args: object) -> bytes:
-    """The EXECUTE of a statement `ensure` prepared, its arguments as literals."""
-    name = name_of(body).encode()
-    if not args:
-        return b"execute " + name
-    literals = psycopg.ClientCursor(conn).mogrify(", ".join(["%s"] * len(args)), args).encode()
-    return b"execute %s(%s)" % (name, literals)
+def execute(body: bytes) -> bytes:
+    """The EXECUTE of a statement `ensure` prepared."""
+    return b"execute " + name_of(body).encode()
 
 
 def forget(conn: psycopg.Connection) -> None:
