@@ -44,7 +44,12 @@ def _metrics() -> ModuleType:
 
 class RedactingFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        return redact(super().format(record))
+        # formatted once for both handlers (stderr and the log file): a worker logs a line per batch
+        text = getattr(record, "pgcascade_text", None)
+        if text is None:
+            text = redact(super().format(record))
+            record.pgcascade_text = text
+        return text
 
 
 def setup_logging(

@@ -47,8 +47,10 @@ SETTINGS = (
     "select set_config('session_replication_role', 'replica', true), set_config('synchronous_commit', %s, true),"
     f" set_config('{applysql.INLINE_SETTING}', %s, true)"
 )
-# the set-based statement of a table over the whole stage, by its composed SQL and table
+# the set-based statement of a table over the batch's events, by its composed SQL and table
 _SET_STATEMENTS: dict[tuple[bytes, str], bytes] = {}
+# the node's and its tables' reads after the commit, by queue
+_READS: dict[str, list[bytes]] = {}
 
 
 class NotAtRecord(Exception):
@@ -78,15 +80,21 @@ def takes(info: BatchInfo, appliers: dict[str, TableApplier]) -> bool:
 
 def set_statement(sub: psycopg.Connection, a: TableApplier) -> bytes:
     """The table's set-based statement over the batch's events, its values as literals:
-    prepared without parameters, its plan is made once (prepared.py)."""
+    prepared without parameters, its plan is made every few seconds (prepared.py)."""
     key = (a.inline_sql or b"", a.table)
     if key not in _SET_STATEMENTS:
         if len(_SET_STATEMENTS) > 1000:  # composed again after DDL: old ones are dropped
             _SET_STATEMENTS.clear()
-        _SET_STATEMENTS[key] = (
-            psycopg.ClientCursor(sub).mogrify(key[0], a.params(0, MAX_EV_ID, None)).encode()
-        )
+        _SET_STATEMENTS[key] = prepared.binder(sub).mogrify(key[0], a.params(0, MAX_EV_ID, None)).encode()
     return _SET_STATEMENTS[key]
+
+
+def read_statements(sub: psycopg.Connection, queue: str) -> list[bytes]:
+    """The node's and its tables' reads after the commit, for the next round."""
+    if queue not in _READS:
+        bind = prepared.binder(sub).mogrify
+        _READS[queue] = [bind(q, (queue,)).encode() for q in (nodes.NODE_QUERY, subscriber.TABLES_QUERY)]
+    return _READS[queue]
 
 
 @dataclass
@@ -122,9 +130,9 @@ def apply_batch(
             todo.append(appliers[table])
         else:
             stats.ignored += n
-    bind = psycopg.ClientCursor(sub).mogrify
+    bind = prepared.binder(sub).mogrify
     sets = [set_statement(sub, a) for a in todo]
-    reads = [bind(nodes.NODE_QUERY, (queue,)).encode(), bind(subscriber.TABLES_QUERY, (queue,)).encode()]
+    reads = read_statements(sub, queue)
     prepared.ensure(sub, sets + reads)
     statements = [
         b"begin",
@@ -146,8 +154,9 @@ def apply_batch(
     cur = sub.cursor()
     try:
         # one message of the simple query protocol: one round trip (psycopg's pipeline mode
-        # took several wake-ups per batch), the server stops at the first error
-        cur.execute(b";\n".join(statements))
+        # took several wake-ups per batch), the server stops at the first error; a new text
+        # each time, which psycopg's prepared-statement bookkeeping need not count
+        cur.execute(b";\n".join(statements), prepare=False)
     except psycopg.Error as e:
         if sub.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
             sub.execute("rollback")

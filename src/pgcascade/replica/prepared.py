@@ -19,6 +19,7 @@ connection prepares again.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 import weakref
@@ -34,9 +35,22 @@ STALE = frozenset({"0A000", "26000"})
 _PREPARED: weakref.WeakKeyDictionary[psycopg.Connection, dict[str, float]] = weakref.WeakKeyDictionary()
 
 
+@functools.lru_cache(maxsize=4096)
 def name_of(body: bytes) -> str:
     """The statement's name: from its text, so a statement composed again after DDL is a new one."""
     return "pgcascade_" + hashlib.sha1(body).hexdigest()[:20]
+
+
+_BINDERS: weakref.WeakKeyDictionary[psycopg.Connection, psycopg.ClientCursor] = weakref.WeakKeyDictionary()
+
+
+def binder(conn: psycopg.Connection) -> psycopg.ClientCursor:
+    """A client-side cursor of `conn` to compose statements with literals (its mogrify): one per
+    connection, as making a cursor costs more than composing a small statement."""
+    cur = _BINDERS.get(conn)
+    if cur is None:
+        cur = _BINDERS[conn] = psycopg.ClientCursor(conn)
+    return cur
 
 
 def ensure(conn: psycopg.Connection, bodies: list[bytes]) -> None:
