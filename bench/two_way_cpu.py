@@ -251,13 +251,13 @@ def main() -> int:
 
 def daemons_connected(c: LocalCluster, logical: bool) -> bool:
     """The ticker, the worker (its own database, and its peer subscription's on both sides) and
-    the capture daemon have their connections to this cluster."""
+    the capture daemon have their connections to this cluster.  (The worker names its sessions
+    itself: PGAPPNAME does not reach them.)"""
     with c.connect() as conn:
         apps = [r[0] for r in conn.execute("select application_name from pg_stat_activity")]
     return (
         any(a.startswith("pgcascade ticker") for a in apps)
         and sum(a.startswith("pgcascade worker") for a in apps) >= 2
-        and any(a.startswith("pgc:worker") for a in apps)
         and (not logical or any(a.startswith("pgcascade capture") for a in apps))
     )
 

@@ -586,6 +586,8 @@ def test_two_masters_with_logical_capture_converge_without_echo(two_way: TwoWayS
             "select count(*) from pgcascade.conflict where table_name = 'public.u'"
         ).fetchone()[0]
     assert back == 0
+    for n in ("a", "b"):  # the small batches went in one round trip each: none fell back
+        assert "step by step after" not in (two_way.tmp / f"{n}.log").read_text()
 
 
 def test_a_master_that_joins_copies_a_table_from_a_peer_while_the_others_write(

@@ -230,13 +230,12 @@ def applied_tick(conn: psycopg.Connection, queue_name: str) -> int:
     return (row[0] if row else None) or 0
 
 
+RECORD_APPLIED = "update pgcascade.node set last_tick = %s, last_error = null, last_error_time = null where queue_name = %s"
+
+
 def record_applied(conn: psycopg.Connection, queue_name: str, tick: int) -> None:
     """The batch up to `tick` is applied: in the batch's own transaction (exactly once)."""
-    conn.execute(
-        "update pgcascade.node set last_tick = %s, last_error = null, last_error_time = null"
-        " where queue_name = %s",
-        (tick, queue_name),
-    )
+    conn.execute(RECORD_APPLIED, (tick, queue_name))
 
 
 def record_error(conn: psycopg.Connection, queue_name: str, message: str | None) -> None:

@@ -165,7 +165,7 @@ class TableApplier:
     column_list: list[str] | None = None  # add-table --columns
     unique_at_provider: bool = False  # the provider's key is unique: update-then-insert is exact
     # a two-way peer's apply statements, by (peer, this master, policy): replica/peer_apply.py
-    peer_sql: dict[tuple[str, str, str], tuple[bytes, bytes]] = field(default_factory=dict, repr=False)
+    peer_sql: dict[tuple[str, str, str, bool], tuple[bytes, bytes]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(

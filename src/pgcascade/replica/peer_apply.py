@@ -49,6 +49,21 @@ PEER_SEEN = "pgcascade.peer-seen"  # a master's marker: how far it had applied e
 PEER_SELECT = "ev_id, ev_txid, ev_type, ev_data, ev_extra1, {}, ev_extra2, ev_extra3, ev_extra4"
 PEER_TIME = {False: "coalesce(pgcascade.commit_time(ev_txid::text::xid8), ev_time)", True: "ev_time"}
 
+# where the statements read the batch's events from: the staging table (a batch applied step by
+# step), or (a small batch applied in one round trip, peer_worker.py) the batch's JSON array of
+# [ev_id, ev_txid, ev_type, ev_data, ev_extra1, ev_time, ev_extra2], set in the transaction as
+# PEER_SETTING - nothing is written to a temporary table then (its rows and its truncation at
+# commit cost more than the rest of a small batch), and pgcascade.peer_batch_done reads it too
+STAGE = sql.SQL("pg_temp.pgcascade_stage")
+PEER_SETTING = "pgcascade.peer_events"
+PEER_EVENTS = sql.SQL(
+    "(select (e->>0)::int8 as ev_id, e->>2 as ev_type, e->>3 as ev_data, e->>4 as ev_extra1,"
+    " (e->>5)::timestamptz as ev_time, e->>6 as ev_extra2 from json_array_elements(current_setting({})::json) e)"
+).format(sql.Literal(PEER_SETTING))
+# the batch's tick, in the statements over PEER_EVENTS: the one parameter of the prepared statement
+# (it only names the versions written, so the generic plan is the custom one)
+TICK_PARAM = sql.SQL("$1::int8")
+
 
 @dataclass(frozen=True)
 class PeerBatch:
@@ -90,15 +105,15 @@ class PeerTable(Protocol):
     dest: str
     keys: list[str]
     json_nulls: bool
-    peer_sql: dict[tuple[str, str, str], tuple[bytes, bytes]]
+    peer_sql: dict[tuple[str, str, str, bool], tuple[bytes, bytes]]
 
 
 def statement(sub: psycopg.Connection, t: PeerTable, peer: PeerBatch) -> tuple[bytes, bytes]:
-    """The table's statements for this peer and policy, the lock and the apply, run in this
-    order with the same parameters (composed once, then reused until the table's columns
-    change: the apply checks that, and the batch is applied again)."""
+    """The table's statements over the staged batch for this peer and policy, the lock and the
+    apply, run in this order with the same parameters (composed once, then reused until the
+    table's columns change: the apply checks that, and the batch is applied again)."""
     policy = peer.policies.get(t.table, peer.policy)
-    key = (peer.peer, peer.me, policy)
+    key = (peer.peer, peer.me, policy, False)
     found = t.peer_sql.get(key)
     if found is None:
         apply = compose(sub, t, peer.peer, peer.me, ConflictPolicy.parse(policy))
@@ -106,9 +121,27 @@ def statement(sub: psycopg.Connection, t: PeerTable, peer: PeerBatch) -> tuple[b
     return found
 
 
-def lock(sub: psycopg.Connection, t: PeerTable) -> sql.Composed:
+def inline_statement(sub: psycopg.Connection, t: PeerTable, peer: PeerBatch) -> tuple[bytes, bytes]:
+    """The same two over PEER_EVENTS, their values as literals but the tick ($1), to be
+    PREPAREd (replica/prepared.py)."""
+    policy = peer.policies.get(t.table, peer.policy)
+    key = (peer.peer, peer.me, policy, True)
+    found = t.peer_sql.get(key)
+    if found is None:
+        apply = compose(sub, t, peer.peer, peer.me, ConflictPolicy.parse(policy), PEER_EVENTS)
+        values = params(t, 0, 2**63 - 1, peer)  # every event of the batch
+        bind = psycopg.ClientCursor(sub).mogrify
+        found = t.peer_sql[key] = (
+            bind(lock(sub, t, PEER_EVENTS).as_bytes(sub), values).encode(),
+            bind(apply.as_bytes(sub), values).encode(),
+        )
+    return found
+
+
+def lock(sub: psycopg.Connection, t: PeerTable, source: sql.Composable = STAGE) -> sql.Composed:
     """The statement that locks the local rows of the keys the batch changes, in key order,
-    before the apply statement reads them (see the module's docstring)."""
+    before the apply statement reads them (see the module's docstring); the events are read
+    from `source` (STAGE or PEER_EVENTS)."""
     base = sub.execute("select pgcascade.missing_row_expr(%s::regclass)", (t.dest,)).fetchone() or ("",)
     populate = sql.SQL(
         "pgcascade.event_row({}, s.ev_data)" if t.json_nulls else "json_populate_record({}, s.ev_data::json)"
@@ -119,6 +152,7 @@ def lock(sub: psycopg.Connection, t: PeerTable) -> sql.Composed:
         match=sql.SQL(" and ").join(sql.SQL("t.{0} = n.{0}").format(sql.Identifier(k)) for k in t.keys),
         populate=populate,
         dest=sql.SQL(t.dest),
+        source=source,
     )
 
 
@@ -127,10 +161,15 @@ def params(t: PeerTable, lo: int, hi: int, peer: PeerBatch) -> dict:
 
 
 def compose(
-    sub: psycopg.Connection, t: PeerTable, peer: str, me: str, policy: ConflictPolicy
+    sub: psycopg.Connection,
+    t: PeerTable,
+    peer: str,
+    me: str,
+    policy: ConflictPolicy,
+    source: sql.Composable = STAGE,
 ) -> sql.Composed:
-    """The one statement that applies a table's staged events of a peer's batch; it returns the
-    conflicts it logged (see the module's docstring for what it does, in order).  It writes every
+    """The one statement that applies a table's events of a peer's batch, read from `source`
+    (STAGE, or PEER_EVENTS with the tick as $1); it returns the conflicts it logged (see the module's docstring for what it does, in order).  It writes every
     column the table has here now (DDL on either master may have changed them since the worker
     read them): one the peer's image lacks gets the value of old rows (missing_row_expr), one
     only the peer has is left out."""
@@ -198,12 +237,14 @@ def compose(
         raced=raced,
         signature=sql.Literal(signature),
         dest_name=sql.Literal(t.dest),
+        source=source,
+        tick=sql.SQL("%(tick)s") if source is STAGE else TICK_PARAM,
     )
 
 
 LOCK = (
     "select count(*) from (select 1 from (select distinct {rkeys}"
-    "   from pg_temp.pgcascade_stage s cross join lateral {populate} r"
+    "   from {source} s cross join lateral {populate} r"
     "  where s.ev_extra1 = %(t)s and s.ev_id >= %(lo)s and s.ev_id < %(hi)s and s.ev_type in ('I', 'U', 'D')) n"
     " join {dest} t on {match} order by {tkeys} for update of t) l"
 )
@@ -214,7 +255,7 @@ STATEMENT = (
     "  select distinct on ({rkeys}) s.ev_id, s.ev_type, s.ev_data, s.ev_time as remote_time,"
     "         last_value(s.ev_id) over w as first_ev, last_value(s.ev_type) over w as first_type,"
     "         jsonb_build_array({rkeys}) as row_key, r"
-    "    from pg_temp.pgcascade_stage s cross join lateral {populate} r"
+    "    from {source} s cross join lateral {populate} r"
     "   where s.ev_extra1 = %(t)s and s.ev_id >= %(lo)s and s.ev_id < %(hi)s"
     "     and s.ev_type in ('I', 'U', 'D')"
     "  window w as (partition by {rkeys} order by s.ev_id desc"
@@ -262,8 +303,9 @@ STATEMENT = (
     " m as materialized ("
     "  select origin, from_ev, lead(from_ev, 1, 9223372036854775807) over (partition by origin order by from_ev)"
     "         as to_ev, tick, snap"
-    "    from (select ev_extra1 as origin, ev_id as from_ev, ev_data::int8 as tick, ev_extra2::pg_snapshot as snap"
-    "            from pg_temp.pgcascade_stage where ev_type = 'pgcascade.peer-seen'"
+    "    from (select s.ev_extra1 as origin, s.ev_id as from_ev, s.ev_data::int8 as tick,"
+    "                 s.ev_extra2::pg_snapshot as snap"
+    "            from {source} s where s.ev_type = 'pgcascade.peer-seen'"
     "          union all"
     "          select origin, -1, seen_tick, seen_snapshot from pgcascade.peer_seen where queue_name = %(queue)s) mk),"
     " judged as materialized ("
@@ -299,12 +341,12 @@ STATEMENT = (
     "          remote_row, local_origin, remote_origin, local_time, remote_time, policy, winner, tick_id)"
     "   select %(queue)s, %(t)s, conflict, row_key, to_jsonb(local_t),"
     "          case when ev_type <> 'D' then ev_data::jsonb end, local_origin, {peer}, local_time, remote_time,"
-    "          {policy}, winner, %(tick)s"
+    "          {policy}, winner, {tick}"
     "     from dec where conflict is not null and winner in ('local', 'remote') returning 1),"
     " {writes},"
     " rv as (insert into pgcascade.row_version as v (table_name, row_key, origin, origin_tick, origin_time,"
     "        xid, deleted)"
-    "   select %(t)s, row_key, {peer}, %(tick)s, remote_time, pg_current_xact_id(), ev_type = 'D'"
+    "   select %(t)s, row_key, {peer}, {tick}, remote_time, pg_current_xact_id(), ev_type = 'D'"
     "     from dec where winner = 'remote'"
     "   on conflict (table_name, row_key) do update set origin = excluded.origin,"
     "      origin_tick = excluded.origin_tick, origin_time = excluded.origin_time, xid = excluded.xid,"

@@ -7,33 +7,43 @@ master's own, `pgcascade.peer_batch_done`).
 
 A small batch (at most SMALL_BATCH events of the peer's own, only row changes and markers - the
 common case when changes trickle in) is read from the peer into memory and applied in ONE round
-trip: BEGIN, the checks the step-by-step way makes by looking (`pgcascade.peer_batch_begin`
-refuses the batch when the node is not where the batch starts, or the policies changed), the
-events inserted into the staging table from arrays, each table's statement (peer_apply.py), the
-markers, the tick and COMMIT, all in one pipeline.  Any other batch, or one refused so, goes
-step by step: BEGIN, one pipeline, the COPY of the events, the barriers' look-up, one pipeline of
-the tables' statements, one of the bookkeeping, and COMMIT.
+trip, one message of the simple query protocol as a one-way batch (inline.py): BEGIN, the
+batch's events as a JSON array in a setting of the transaction (peer_apply.PEER_EVENTS), the
+checks the step-by-step way makes by looking (`pgcascade.peer_batch_begin` refuses the batch
+when the node is not where the batch starts, or the policies changed), each table's two
+statements (peer_apply.py) PREPAREd (prepared.py: values as literals, the tick as their one
+parameter), the markers (`pgcascade.peer_batch_done` reads the same setting), the tick and
+COMMIT.  Nothing is staged: a transaction that touches the temporary stage pays for its
+truncation at commit, more than the rest of a small batch.  Such a batch never holds a TRUNCATE
+(FAST_TYPES), which reads the stage (94_two_way_truncate.sql).  Any other batch, or one refused
+or failing so, goes step by step: BEGIN, one pipeline, the COPY of the events, the barriers'
+look-up, one pipeline of the tables' statements, one of the bookkeeping, and COMMIT.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from collections import Counter
 from dataclasses import dataclass
+from datetime import datetime
 
 import psycopg
 from psycopg import sql
 
-from pgcascade.core.errors import RuntimeFailure
+from pgcascade.core.errors import RuntimeFailure, db_error_line
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
 from pgcascade.pgq.queue import BatchInfo
-from pgcascade.replica import peer_apply
+from pgcascade.replica import peer_apply, prepared
 from pgcascade.replica import seqs as subscriber_seqs
 from pgcascade.replica import tables as subscriber
-from pgcascade.replica.apply import MAX_EV_ID, BatchStats, TableApplier, apply_staged, stage_batch
+from pgcascade.replica.apply import BatchStats, TableApplier, apply_staged, stage_batch
 from pgcascade.replica.conflicts import DEFAULT_POLICY
 from pgcascade.replica.ddl import DdlReplay, await_origins
 from pgcascade.replica.peer_apply import PEER_SEEN, PEER_SELECT, PEER_TIME, PeerBatch
+
+log = logging.getLogger("pgcascade.replay")
 
 # APPLY_SETTINGS in one statement (a pipeline takes one statement per call)
 SETTINGS = "select set_config('session_replication_role', 'replica', true), set_config('synchronous_commit', 'on', true)"
@@ -50,12 +60,9 @@ SMALL_SELECT = (
 )
 REFUSED = ("PCB01", "PCB02")  # pgcascade.peer_batch_begin: go step by step
 FAST_TYPES = frozenset({"I", "U", "D", PEER_SEEN})
-STAGE_ARRAYS = (
-    "insert into pg_temp.pgcascade_stage"
-    " (ev_id, ev_txid, ev_type, ev_data, ev_extra1, ev_time, ev_extra2, ev_extra3, ev_extra4)"
-    " select * from unnest(%s::int8[], %s::int8[], %s::text[], %s::text[], %s::text[], %s::timestamptz[],"
-    " %s::text[], %s::text[], %s::text[])"
-)
+# the small batch's settings: its events among them, for every statement (peer_apply.PEER_EVENTS)
+INLINE_SETTINGS = f"{SETTINGS}, set_config('{peer_apply.PEER_SETTING}', %s, true)"
+BATCH_DONE = "select pgcascade.peer_batch_done(%s, %s, %s, %s, %s)"
 
 
 @dataclass
@@ -102,7 +109,8 @@ def apply_batch(
                         a.peer_sql.clear()
                     if isinstance(e, psycopg.OperationalError):
                         raise  # applied again at once (40001, a deadlock), or the connection is gone
-                # else step by step, which says which table failed and why
+                    # step by step, which says which table failed and why (a policy 'error', DDL)
+                    log.info("peer batch %s: step by step after: %s", info.cur_tick_id, db_error_line(e))
     return apply_step_by_step(sub, prov, node, info, appliers, prov_logical, state, snapshot)
 
 
@@ -146,24 +154,45 @@ def apply_in_one(
         a = appliers.get(table)
         if a is None:
             stats.ignored += n
-        else:  # composed before the pipeline: composing reads the catalog
-            todo.append((a, peer_apply.statement(sub, a, peer)))
-    with sub.pipeline(), sub.transaction():
-        sub.execute(SETTINGS)
-        sub.execute(
+        else:  # composed before the message: composing reads the catalog
+            todo.append(peer_apply.inline_statement(sub, a, peer))
+    prepared.ensure(sub, [body for pair in todo for body in pair])
+    bind = psycopg.ClientCursor(sub).mogrify
+    # the events as the statements read them (peer_apply.PEER_EVENTS), times to the microsecond
+    data = json.dumps([e[:7] for e in events], default=datetime.isoformat, ensure_ascii=False)
+    statements = [
+        b"begin",
+        bind(INLINE_SETTINGS, (data,)).encode(),
+        bind(
             "select pgcascade.peer_batch_begin(%s, %s, %s, %s, %s)",
             (node.peer_of, node.queue_name, node.provider_node, info.prev_tick_id, state.policies_hash),
-        )
-        if events:
-            sub.execute(STAGE_ARRAYS, [list(col) for col in zip(*events, strict=True)])
-        results = []
-        for a, (lock, stmt) in todo:
-            sub.execute(lock, peer_apply.params(a, 0, MAX_EV_ID, peer), prepare=False)
-            results.append(sub.execute(stmt, peer_apply.params(a, 0, MAX_EV_ID, peer), prepare=False))
-        bookkeeping(sub, node, peer, info.cur_tick_id, snapshot)
-        seqs = sub.execute(subscriber_seqs.SEQS, (node.queue_name,))
-    stats.conflicts = sum(int(row[0]) for cur in results if (row := cur.fetchone()) is not None)
-    if seqs.fetchall():  # as a rule none: they only ever move up, so after the commit is as good
+        ).encode(),
+        *(
+            s
+            for lock, stmt in todo
+            for s in (prepared.execute(lock), prepared.execute(stmt, str(info.cur_tick_id).encode()))
+        ),
+        bind(BATCH_DONE, (peer.own_queue, node.queue_name, peer.peer, info.cur_tick_id, snapshot)).encode(),
+        bind(nodes.RECORD_APPLIED, (info.cur_tick_id, node.queue_name)).encode(),
+        bind(subscriber_seqs.SEQS, (node.queue_name,)).encode(),
+        b"commit",
+    ]
+    cur = sub.cursor()
+    try:
+        # one message of the simple query protocol, as inline.py: the server stops at the first error
+        cur.execute(b";\n".join(statements))
+    except psycopg.Error as e:
+        if sub.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            sub.execute("rollback")
+        if e.sqlstate in prepared.STALE:
+            prepared.forget(sub)
+        raise
+    results = []  # a result per statement: the apply statements' conflicts, and the sequences
+    for _ in statements:
+        results.append(cur.fetchall() if cur.description is not None else [])
+        cur.nextset()
+    stats.conflicts = sum(int(results[4 + 2 * i][0][0]) for i in range(len(todo)))
+    if results[-2]:  # as a rule none: they only ever move up, so after the commit is as good
         subscriber_seqs.sync_sequences(prov, sub, node.queue_name)
     return stats
 
@@ -210,8 +239,5 @@ def apply_step_by_step(
 
 def bookkeeping(sub: psycopg.Connection, node: nodes.Node, peer: PeerBatch, tick: int, snapshot: str) -> None:
     """In the batch's transaction: the peer's markers, this master's own, the tick applied."""
-    sub.execute(
-        "select pgcascade.peer_batch_done(%s, %s, %s, %s, %s)",
-        (peer.own_queue, node.queue_name, peer.peer, tick, snapshot),
-    )
+    sub.execute(BATCH_DONE, (peer.own_queue, node.queue_name, peer.peer, tick, snapshot))
     nodes.record_applied(sub, node.queue_name, tick)

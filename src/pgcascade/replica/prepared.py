@@ -73,9 +73,10 @@ def ensure(conn: psycopg.Connection, bodies: list[bytes]) -> None:
     done.update(dict.fromkeys(todo, now))
 
 
-def execute(body: bytes) -> bytes:
-    """The EXECUTE of a statement `ensure` prepared."""
-    return b"execute " + name_of(body).encode()
+def execute(body: bytes, args: bytes = b"") -> bytes:
+    """The EXECUTE of a statement `ensure` prepared, with `args` (literals, comma-separated)
+    for its parameters if it has any."""
+    return b"execute " + name_of(body).encode() + (b"(" + args + b")" if args else b"")
 
 
 def forget(conn: psycopg.Connection) -> None:
