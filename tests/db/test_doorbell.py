@@ -51,6 +51,7 @@ def test_capture_rings_only_while_a_consumer_listens(replica):
         writer.commit()
         assert heard(consumer) == []
 
+        consumer.execute("select pgcascade.ticker(%s)", (QUEUE,))  # the consumer is caught up
         seen = event_seq(consumer)
         assert listens(consumer, 3000, seen) is False  # nothing numbered since: it may sleep
         writer.execute("insert into t values (2, 'a')")
@@ -111,3 +112,28 @@ def test_an_idle_worker_sleeps_on_listen_and_replays_at_once(replica):
     while table_checksum(replica.leaf, "t") != table_checksum(replica.root, "t"):
         assert time.monotonic() < deadline, "the change after the idle time was not replayed"
         time.sleep(0.05)
+
+
+def test_a_transaction_open_at_the_last_tick_keeps_the_consumer_polling(replica):
+    """Its events were numbered before the tick (before the doorbell was set: it rings nobody at
+    commit), so the consumer must not sleep while it runs, nor once it committed them."""
+    with replica.root.connect() as c:
+        c.execute("create table t (id int primary key, v text)")
+    replica.cli("root", "create-root", "root")
+    replica.cli("root", "add-table", "t")
+    for outcome in ("commit", "rollback"):
+        with (
+            psycopg.connect(replica.root.connstr, autocommit=True) as consumer,
+            psycopg.connect(replica.root.connstr) as writer,
+        ):
+            writer.execute(
+                "insert into t values (%s, 'straddles a tick')", (1 if outcome == "commit" else 2,)
+            )
+            consumer.execute("select pgcascade.ticker(%s)", (QUEUE,))
+            seen = event_seq(consumer)  # the tick's: the open transaction's events are below it
+            assert listens(consumer, 3000, seen) is True  # in progress at the tick
+            getattr(writer, outcome)()
+            # committed since the tick: pending; rolled back: nothing is
+            assert listens(consumer, 3000, seen) is (outcome == "commit")
+            consumer.execute("select pgcascade.ticker(%s)", (QUEUE,))
+            assert listens(consumer, 3000, event_seq(consumer)) is False

@@ -6,6 +6,7 @@ insert_event in transactions that committed), never from the queue's own bookkee
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -485,3 +486,25 @@ def test_a_long_transaction_committed_between_two_ticks_is_not_inlined(qdb):
             conn, Q, "c1", finish=None, max_events=None, max_tick=None, inline_events=3
         )
         assert small.event_sql is None and '"small"' in (small.events or "")
+
+
+def test_a_consumer_ticks_when_a_transaction_open_at_the_last_tick_commits(qdb):
+    """next_batch_events ticks on demand for events committed since the last tick - those of a
+    transaction that was in progress at that tick too - and makes no tick while they are not."""
+
+    def fetch(conn: psycopg.Connection, finish: int | None = None):
+        return q.next_batch_events(
+            conn, Q, "c1", finish=finish, max_events=None, max_tick=None, inline_events=100
+        )
+
+    with qdb.connect() as conn, qdb.connect(autocommit=False) as open_tx:
+        open_ids = [q.insert_event(open_tx, Q, "open", f"o{i}") for i in range(3)]
+        q.ticker(conn, Q)  # the open transaction is in this tick's snapshot, in progress
+        consume_all(conn, Q, "c1")
+        ticks = conn.execute("select count(*) from pgcascade.tick").fetchone()[0]
+        assert fetch(conn).batch_id is None  # nothing committed waits: no tick
+        assert conn.execute("select count(*) from pgcascade.tick").fetchone()[0] == ticks
+        open_tx.commit()
+        info = fetch(conn)
+        assert info.batch_id is not None and info.events is not None
+        assert sorted(e[0] for e in json.loads(info.events)) == open_ids

@@ -33,17 +33,20 @@ begin
     end if;$r$, pgcascade.doorbell_name(q.queue_id), q.queue_name);
 end $$;
 
--- pgcascade.consumer_listens(queue, wait_ms, seen_event_seq) -> whether events numbered after
--- `seen_event_seq` (the consumer's last tick's) exist, committed or not.  Sets the doorbell to
--- now + wait_ms first (never lower), so producers numbering events from now on notify; when it
--- returns false the caller may sleep on LISTEN for wait_ms.  A queue without a doorbell answers
--- true: its consumer polls.
+-- pgcascade.consumer_listens(queue, wait_ms, seen_event_seq) -> whether events may be pending:
+-- numbered after `seen_event_seq` (the consumer's last tick's), committed or not, or numbered
+-- before the queue's last tick by a transaction then in progress - still in progress (it rang
+-- nobody: it numbered them before the doorbell was set) or committed since.  Sets the doorbell
+-- to now + wait_ms first (never lower), so producers numbering events from now on notify; when
+-- it returns false the caller may sleep on LISTEN for wait_ms.  A queue without a doorbell
+-- answers true: its consumer polls.
 create or replace function pgcascade.consumer_listens(i_queue_name text, i_wait_ms int8, i_seen_event_seq int8)
 returns bool
 language plpgsql as $$
 declare
     q pgcascade.queue;
     bell regclass;
+    last pgcascade.tick;
     until_ms int8 := (extract(epoch from clock_timestamp()) * 1000)::int8 + i_wait_ms;
 begin
     q := pgcascade.find_queue(i_queue_name);
@@ -54,5 +57,11 @@ begin
     if coalesce(pg_sequence_last_value(bell), 0) < until_ms then
         perform setval(bell, until_ms);
     end if;
-    return coalesce(pg_sequence_last_value(q.queue_event_seq), 0) > coalesce(i_seen_event_seq, 0);
+    if coalesce(pg_sequence_last_value(q.queue_event_seq), 0) > coalesce(i_seen_event_seq, 0) then
+        return true;
+    end if;
+    select * into last from pgcascade.tick where tick_queue = q.queue_id order by tick_id desc limit 1;
+    return last.tick_id is not null
+       and (exists (select 1 from pg_snapshot_xip(last.tick_snapshot) x where pg_xact_status(x) = 'in progress')
+            or pgcascade.events_committed_since(q.queue_id, last.tick_snapshot));
 end $$;

@@ -19,6 +19,7 @@ declare
     now_snap pg_snapshot := pg_current_snapshot();
     x int8 := pg_snapshot_xmax(i_snap)::text::int8 - 1;
     xmax_now int8 := pg_snapshot_xmax(now_snap)::text::int8;
+    xid xid8;
 begin
     loop
         select min(ev_txid) into x from pgcascade.event
@@ -28,10 +29,15 @@ begin
             return true;
         end if;
     end loop;
-    return exists (select 1 from pg_snapshot_xip(i_snap) t
-                    where pg_visible_in_snapshot(t, now_snap)
-                      and exists (select 1 from pgcascade.event
-                                   where ev_part >= lo and ev_part < lo + 16 and ev_txid = t::text::int8));
+    -- one index probe per transaction in progress at the snapshot: as one query, the planner
+    -- took pg_snapshot_xip for 1,000 rows and joined it to a scan of the queue's events
+    -- (4.6 ms a call at 300 tps, against the loop's probes)
+    foreach xid in array array(select x8 from pg_snapshot_xip(i_snap) x8 where pg_visible_in_snapshot(x8, now_snap)) loop
+        if exists (select 1 from pgcascade.event where ev_part >= lo and ev_part < lo + 16 and ev_txid = xid::text::int8) then
+            return true;
+        end if;
+    end loop;
+    return false;
 end $$;
 
 -- pgcascade.tick_if_waiting(queue) -> the tick made, or null: ticks the queue now when events
@@ -50,8 +56,11 @@ begin
         return null;
     end if;
     select * into last from pgcascade.tick where tick_queue = q.queue_id order by tick_id desc limit 1;
+    -- nothing numbered since the last tick is not enough: a transaction in progress then had
+    -- numbered its events before it, and commits them after (it waited for the ticker)
     if last.tick_id is not null
-       and (coalesce(pg_sequence_last_value(q.queue_event_seq), 0) <= last.tick_event_seq
+       and ((coalesce(pg_sequence_last_value(q.queue_event_seq), 0) <= last.tick_event_seq
+             and not exists (select 1 from pg_snapshot_xip(last.tick_snapshot)))
             or not pgcascade.events_committed_since(q.queue_id, last.tick_snapshot)) then
         return null;
     end if;
