@@ -67,8 +67,8 @@ def test_refused_ddl_says_why_and_how_and_leaves_nothing(replica) -> None:
         "create schema other",
         "create table other.u (id int primary key)",
     )
-    replica.cli("root", "create-root", "root")
-    replica.cli("root", "add-table", "t", "other.u")
+    replica.run("root", "create-root", "root")
+    replica.run("root", "add-table", "t", "other.u")
     replica.cli("root", "auto-ddl", "on", "--add-new-tables")
     before = catalog_state(replica.root)
     for statement, words in REFUSED.items():
@@ -162,10 +162,10 @@ def test_logical_capture_carries_ddl_through_the_wal(replica) -> None:
         "create table t (id int primary key, v text)",
         "insert into t select i, 'v' from generate_series(1, 20) i",
     )
-    r.cli("root", "create-root", "root", "--capture=logical")
-    r.cli("root", "add-table", "t")
+    r.run("root", "create-root", "root", "--capture=logical")
+    r.run("root", "add-table", "t")
     r.cli("root", "auto-ddl", "on", "--add-new-tables")
-    r.cli("leaf", "create-leaf", "leaf1", "--provider", r.root.connstr)
+    r.run("leaf", "create-leaf", "leaf1", "--provider", r.root.connstr)
     r.cli("leaf", "add-table", "--all", "--create-full")
     assert "is for a root or a two-way master" in one_line(r.cli("leaf", "auto-ddl", "on", check=False))
     assert "auto-ddl: on, new tables in the set's schemas added" in r.cli("root", "status").stdout

@@ -40,8 +40,8 @@ def event_seq(conn: psycopg.Connection) -> int:
 def test_capture_rings_only_while_a_consumer_listens(replica):
     with replica.root.connect() as c:
         c.execute("create table t (id int primary key, v text)")
-    replica.cli("root", "create-root", "root")
-    replica.cli("root", "add-table", "t")
+    replica.run("root", "create-root", "root")
+    replica.run("root", "add-table", "t")
     with (
         psycopg.connect(replica.root.connstr, autocommit=True) as consumer,
         psycopg.connect(replica.root.connstr) as writer,

@@ -67,10 +67,10 @@ def test_filtered_leaf_holds_the_matching_rows_as_they_move(replica, capture):
     for db in (replica.root, replica.leaf):
         make_orders(db, NOTES, key="")
     run(replica.leaf, f"delete from {NOTES} where region <> 'eu'", f"alter table {NOTES} drop column secret")
-    replica.cli("root", "create-root", "root", *(["--capture=logical"] if capture == "logical" else []))
-    replica.cli("leaf", "create-leaf", "leaf1", "--provider", replica.root.connstr)
-    replica.cli("root", "add-table", ORDERS)
-    replica.cli("root", "add-table", NOTES, "--key", "id")
+    replica.run("root", "create-root", "root", *(["--capture=logical"] if capture == "logical" else []))
+    replica.run("leaf", "create-leaf", "leaf1", "--provider", replica.root.connstr)
+    replica.run("root", "add-table", ORDERS)
+    replica.run("root", "add-table", NOTES, "--key", "id")
     if capture == "logical":
         replica.daemons.start(str(replica.root_ini), "capture")
     # a LIKE pattern's % is no placeholder in the apply's statements, which have parameters

@@ -105,15 +105,15 @@ def test_partitioned_root_table_with_a_partition_attached_under_writes(replica, 
     run(r.root, *ROOT_DDL)
     leaf2 = make_db("b")
     run(leaf2, *LIST_DDL)
-    r.cli("root", "create-root", "root", *(["--capture=logical"] if capture == "logical" else []))
-    r.cli("root", "add-table", "events")
+    r.run("root", "create-root", "root", *(["--capture=logical"] if capture == "logical" else []))
+    r.run("root", "add-table", "events")
     if capture == "logical":
         r.daemons.start(str(r.root_ini), "capture")
-    r.cli("leaf", "create-leaf", "leaf1", "--provider", r.root.connstr)
-    r.cli("leaf", "add-table", "events", "--create")  # a plain table
+    r.run("leaf", "create-leaf", "leaf1", "--provider", r.root.connstr)
+    r.run("leaf", "add-table", "events", "--create")  # a plain table
     r.ini("leaf2", leaf2)
-    r.cli("leaf2", "create-leaf", "leaf2", "--provider", r.root.connstr)
-    r.cli("leaf2", "add-table", "events")
+    r.run("leaf2", "create-leaf", "leaf2", "--provider", r.root.connstr)
+    r.run("leaf2", "add-table", "events")
     assert r.cli("root", "tables").stdout.split()[0] == EVENTS  # one entry, whatever its partitions
     r.start_ticker()
     r.start_worker()

@@ -144,7 +144,7 @@ def test_ddl_on_one_master_reaches_the_others_under_writes(two_way: TwoWaySet, m
     a, b, c = (two_way.add_master(n, make_db(n)) for n in ("a", "b", "c"))
     for m in (a, b, c):
         make_tables(m, "accounts")
-        m.cli("add-table", "accounts")
+        m.run("add-table", "accounts")
     two_way.connect_all()
     for m in (a, b, c):
         assert in_process(m.ini, "auto-ddl", "on", "--add-new-tables").returncode == 0

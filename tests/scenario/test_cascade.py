@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from conftest import Daemons, kill_processes_mentioning, run_cli, table_checksum
+from conftest import Daemons, kill_processes_mentioning, run_cli, run_in_process, table_checksum
 from test_replication import PGBENCH_TABLES, add_apply_audit, pgbench, pgbench_init
 
 from pgcascade.dev.localcluster import LocalCluster, new_cluster, pg_bindir, wait_until
@@ -81,17 +81,26 @@ class Cascade:
             )
         return r
 
+    def run(self, name: str, *args: str) -> subprocess.CompletedProcess[str]:
+        """`pgcascade NAME.ini ARGS` in this process, checked: the set-up steps a test is not
+        about (a process each costs a second of CPU); what it is about runs as a process (cli)."""
+        r = run_in_process(str(self.ini(name)), *args)
+        assert r.returncode == 0, (
+            f"pgcascade {name} {' '.join(args)}: rc {r.returncode}\n{r.stdout}\n{r.stderr}"
+        )
+        return r
+
     def create(self, name: str, kind: str, provider: str | None = None) -> None:
         if kind == "root":
-            self.cli(name, "create-root", name)
+            self.run(name, "create-root", name)
         else:
-            self.cli(name, f"create-{kind}", name, "--provider", self.dbs[provider].connstr)
+            self.run(name, f"create-{kind}", name, "--provider", self.dbs[provider].connstr)
 
     def pgbench_root(self, name: str) -> None:
         """The root `name` with the pgbench tables (scale 1) in its set."""
         pgbench_init(self.dbs[name])
         self.create(name, "root")
-        self.cli(name, "add-table", *PGBENCH_TABLES)
+        self.run(name, "add-table", *PGBENCH_TABLES)
 
     def start_ticker(self, name: str) -> None:
         self.tickers[name] = self.daemons.start("ticker", str(self.tmp / f"ticker-{name}.ini"))
@@ -254,11 +263,11 @@ def test_branches_carry_identical_batches_and_feed_leaves(cascade, make_db):
     c.create("s3", "branch", "s1")
     c.create("s4", "leaf", "s3")
     c.create("s5", "branch", "s2")
-    c.cli("s2", "add-table", "--all", "--create")
-    c.cli("s3", "add-table", "pgbench_accounts", "pgbench_history", "--create")
+    c.run("s2", "add-table", "--all", "--create")
+    c.run("s3", "add-table", "pgbench_accounts", "pgbench_history", "--create")
     r = c.cli("s4", "add-table", "pgbench_tellers", "--create", check=False)
     assert r.returncode == 2 and "pgbench_tellers" in r.stderr, r.stderr  # s3 does not hold it
-    c.cli("s4", "add-table", "pgbench_accounts", "pgbench_history", "--create")
+    c.run("s4", "add-table", "pgbench_accounts", "pgbench_history", "--create")
     for n in ("s2", "s4"):
         add_apply_audit(c.dbs[n])
     c.start_all("s1", "s2", "s3", "s4", "s5")
@@ -308,12 +317,12 @@ def test_seed_illustration_lose_root_then_branch(cascade, make_db, private_clust
     c.node("s3", PrivateDb(p3))
     c.node("s4", make_db("b"))
     c.pgbench_root("s1")
-    c.cli("s1", "add-seq", "--all")
+    c.run("s1", "add-seq", "--all")
     for n, kind, prov in (("s2", "branch", "s1"), ("s3", "branch", "s1"), ("s4", "leaf", "s3")):
         copy_schema(c.dbs["s1"], c.dbs[n])
         c.create(n, kind, prov)
-        c.cli(n, "add-table", "--all")
-        c.cli(n, "add-seq", "--all")
+        c.run(n, "add-table", "--all")
+        c.run(n, "add-seq", "--all")
         add_apply_audit(c.dbs[n])
     c.start_all("s1", "s2", "s3", "s4")
     load = pgbench(c.dbs["s1"], "-c", "2", "-j", "2", "-T", "8", "-R", "200")
@@ -388,12 +397,12 @@ def test_failover_keeps_history_for_a_node_down_during_it(cascade, make_db, priv
     c.node("s2", make_db("a"))
     c.node("s3", PrivateDb(p3))
     c.pgbench_root("s1")
-    c.cli("s1", "add-seq", "--all")
+    c.run("s1", "add-seq", "--all")
     for n, kind in (("s2", "branch"), ("s3", "leaf")):
         copy_schema(c.dbs["s1"], c.dbs[n])
         c.create(n, kind, "s1")
-        c.cli(n, "add-table", "--all")
-        c.cli(n, "add-seq", "--all")
+        c.run(n, "add-table", "--all")
+        c.run(n, "add-seq", "--all")
         add_apply_audit(c.dbs[n])
     c.start_all("s1", "s2", "s3")
     assert pgbench(c.dbs["s1"], "-c", "2", "-T", "3", "-R", "200").wait(timeout=60) == 0
@@ -430,13 +439,13 @@ def test_switchover_and_back_under_load(cascade, make_db):
     for n in ("s2", "s3"):
         copy_schema(c.dbs["s1"], c.dbs[n])
     c.create("s1", "root")
-    c.cli("s1", "add-table", *PGBENCH_TABLES)
-    c.cli("s1", "add-seq", "--all")
+    c.run("s1", "add-table", *PGBENCH_TABLES)
+    c.run("s1", "add-seq", "--all")
     c.create("s2", "branch", "s1")
     c.create("s3", "leaf", "s1")
     for n in ("s2", "s3"):
-        c.cli(n, "add-table", "--all")
-        c.cli(n, "add-seq", "--all")
+        c.run(n, "add-table", "--all")
+        c.run(n, "add-seq", "--all")
     add_apply_audit(c.dbs["s3"])
     c.start_all("s1", "s2", "s3")
     c.sync("s1", ["s2", "s3"])
@@ -475,7 +484,7 @@ def test_change_provider_to_nodes_behind_and_ahead(cascade, make_db):
     c.create("s3", "branch", "s1")
     c.create("l", "leaf", "s2")
     for n in ("s2", "s3", "l"):
-        c.cli(n, "add-table", "--all", "--create")
+        c.run(n, "add-table", "--all", "--create")
     add_apply_audit(c.dbs["l"])
     c.start_all("s1", "s2", "s3", "l")
     c.sync("s1", ["s2", "s3", "l"])
@@ -516,7 +525,7 @@ def test_stalled_leaf_holds_rotation_until_dropped(cascade, make_db):
     c.create("s2", "branch", "s1")
     c.create("l", "leaf", "s2")
     for n in ("s2", "l"):
-        c.cli(n, "add-table", "--all", "--create")
+        c.run(n, "add-table", "--all", "--create")
     c.start_all("s1", "s2", "l")
     c.sync("s1", ["s2"])
     c.sync("s1", ["l"])
@@ -656,9 +665,9 @@ def test_combined_partitions_with_the_combined_root_lost(cascade, make_db, priva
     for job, (db, queue) in jobs.items():
         c.node(job, dbs[db], queue_name=queue)
     for name in ("a1", "b1", "c"):
-        c.cli(name, "create-root", name)
-    c.cli("a1", "add-table", "orders", "log")
-    c.cli("b1", "add-table", "orders", "log")
+        c.run(name, "create-root", name)
+    c.run("a1", "add-table", "orders", "log")
+    c.run("b1", "add-table", "orders", "log")
 
     def merge_leaf(leaf: str, part_root: str) -> None:  # with Londiste's flag, which always holds here
         synced = f"c_{part_root[0]},f_{part_root[0]}"
@@ -671,11 +680,11 @@ def test_combined_partitions_with_the_combined_root_lost(cascade, make_db, priva
     r = c.cli("c_a", "add-table", "orders", "log", "--skip-truncate", "--merge-all")  # c_b's too
     assert "orders (part_b)" in r.stdout, r.stdout
     for name in ("f", "s3"):
-        c.cli(name, "create-branch", name, "--provider", dbs["c"].connstr)
-        c.cli(name, "add-table", "orders", "log")
+        c.run(name, "create-branch", name, "--provider", dbs["c"].connstr)
+        c.run(name, "add-table", "orders", "log")
     for leaf, part_root in (("f_a", "a1"), ("f_b", "b1")):
         merge_leaf(leaf, part_root)
-    c.cli("f_b", "add-table", "orders", "log", "--expect-sync", "--merge-all")
+    c.run("f_b", "add-table", "orders", "log", "--expect-sync", "--merge-all")
     for leaf in ("c_b", "f_a"):  # subscribed by --merge-all from their sibling
         listed = [line.split()[0] for line in c.cli(leaf, "tables").stdout.splitlines()]
         assert sorted(listed) == ["public.log", "public.orders"], (leaf, listed)
@@ -684,7 +693,7 @@ def test_combined_partitions_with_the_combined_root_lost(cascade, make_db, priva
     for job in jobs:
         c.start_worker(job)
     for job in ("c_a", "c_b", "f", "s3"):
-        c.cli(job, "wait-sync", "--timeout", "120")
+        c.run(job, "wait-sync", "--timeout", "120")
     loads = [
         pgbench(dbs["a1"], "-c", "1", "-T", "14", "-R", "100", "-f", str(part_script(c.tmp, "a", 1))),
         pgbench(dbs["b1"], "-c", "1", "-T", "14", "-R", "100", "-f", str(part_script(c.tmp, "b", 100000))),
@@ -737,7 +746,7 @@ def test_switchover_of_a_root_with_logical_capture_is_refused(cascade, make_db):
     c = cascade
     for name, cl in (("s1", "a"), ("s2", "b")):
         c.node(name, make_db(cl))
-    c.cli("s1", "create-root", "s1", "--capture=logical")
+    c.run("s1", "create-root", "s1", "--capture=logical")
     c.create("s2", "branch", "s1")
     r = c.cli("s2", "takeover", "s1", check=False)
     assert r.returncode == 2 and "captures from WAL" in r.stderr and "--dead-root" in r.stderr, r.stderr
@@ -819,8 +828,8 @@ def test_create_full_makes_a_node_that_can_become_the_root(cascade, make_db):
         conn.execute(FULL_SCHEMA)
     app_writes(c, "s1", 30)
     c.create("s1", "root")
-    c.cli("s1", "add-table", *FULL_TABLES)
-    c.cli("s1", "add-seq", "parent_id_seq")
+    c.run("s1", "add-table", *FULL_TABLES)
+    c.run("s1", "add-seq", "parent_id_seq")
     c.create("s2", "branch", "s1")
     c.create("s3", "branch", "s1")
     c.start_all("s1", "s2", "s3")
@@ -831,7 +840,7 @@ def test_create_full_makes_a_node_that_can_become_the_root(cascade, make_db):
     assert "foreign key child_parent_id_fkey of public.child made" in r.stderr + r.stdout, r
     # the sequence parent's column owns follows the root's (the root passes it on): no add-seq
     assert c.cli("s2", "seqs").stdout.split() == ["public.parent_id_seq"]
-    c.cli("s3", "add-table", *FULL_TABLES, "--create")
+    c.run("s3", "add-table", *FULL_TABLES, "--create")
     app_writes(c, "s1", 10)
     c.sync("s1", ["s2", "s3"])
     assert definitions(c, "s2") == definitions(c, "s1")
@@ -852,8 +861,8 @@ def test_create_full_makes_a_node_that_can_become_the_root(cascade, make_db):
     assert c.scalar("s1", "select node_type from pgcascade.node") == "root"
     assert c.scalar("s2", "select node_type from pgcascade.node") == "branch"
 
-    c.cli("s1", "add-seq", "child_id_seq", "shared_seq")
-    c.cli("s2", "add-seq", "child_id_seq", "shared_seq")
+    c.run("s1", "add-seq", "child_id_seq", "shared_seq")
+    c.run("s2", "add-seq", "child_id_seq", "shared_seq")
     app_writes(c, "s1", 5)
     c.sync("s1", ["s2", "s3"])
     c.cli("s2", "takeover", "s1", timeout=240)
@@ -881,7 +890,7 @@ def test_failover_checks_sequences_against_the_keys_it_holds(cascade, make_db, p
         conn.execute("create table t (id serial primary key, v text)")
         conn.execute("insert into t (v) select 'x' from generate_series(1, 10)")
     c.create("s1", "root")
-    c.cli("s1", "add-table", "t")  # the sequence is not added: the branch's stays where it was made
+    c.run("s1", "add-table", "t")  # the sequence is not added: the branch's stays where it was made
     c.create("s2", "branch", "s1")
     c.cli("s2", "add-table", "t", "--create-full")
     c.start_all("s1", "s2")

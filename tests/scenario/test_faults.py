@@ -73,10 +73,10 @@ def node_error(db) -> str:
 
 def start_set(r: ReplicaSet, root_args: tuple[str, ...] = ()) -> None:
     pgbench_init(r.root)
-    r.cli("root", "create-root", "root", *root_args)
-    r.cli("root", "add-table", *PGBENCH_TABLES)
-    r.cli("leaf", "create-leaf", "leaf1", "--provider", r.root.connstr)
-    r.cli("leaf", "add-table", "--all", "--create")
+    r.run("root", "create-root", "root", *root_args)
+    r.run("root", "add-table", *PGBENCH_TABLES)
+    r.run("leaf", "create-leaf", "leaf1", "--provider", r.root.connstr)
+    r.run("leaf", "add-table", "--all", "--create")
     r.start_ticker()
 
 

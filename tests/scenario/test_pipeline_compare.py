@@ -381,7 +381,7 @@ def test_repair_on_a_branch_reaches_the_leaf_below(cascade, make_db, spark, caps
     c.create("branch", "branch", "root")
     c.create("leaf", "leaf", "branch")
     for n in ("branch", "leaf"):
-        c.cli(n, "add-table", "--all", "--create")
+        c.run(n, "add-table", "--all", "--create")
     c.start_all("root", "branch", "leaf")
     c.sync("root", ["branch"])
     c.sync("root", ["leaf"])
@@ -539,7 +539,7 @@ def test_repair_on_a_two_way_master_reaches_its_leaf(two_way, make_db, tmp_path,
     for m in (a, b):
         make_tables(m, "accounts")
         m.execute("insert into accounts select i, i, 'seed' from generate_series(1, 500) i")
-        m.cli("add-table", "accounts")
+        m.run("add-table", "accounts")
     two_way.connect_all()
     leaf_db = make_db("b")
     leaf_ini = tmp_path / "leaf.ini"
@@ -553,7 +553,7 @@ def test_repair_on_a_two_way_master_reaches_its_leaf(two_way, make_db, tmp_path,
     two_way.start()
     two_way.daemons.start(str(leaf_ini), "worker")
     a.execute("update accounts set balance = balance + 1 where id <= 50")  # a change that travels
-    a.cli("wait-sync", "--timeout", "120")
+    a.run("wait-sync", "--timeout", "120")
     assert run_cli(str(leaf_ini), "wait-sync", "--timeout", "120").returncode == 0
     drift = (
         "delete from accounts where id between 11 and 15",
@@ -575,7 +575,7 @@ def test_repair_on_a_two_way_master_reaches_its_leaf(two_way, make_db, tmp_path,
     repair_ini.write_text(a.ini.read_text().replace("queue_name = tw_a", "queue_name = tw_b"))
     assert commands.repair(load_config(repair_ini), [], None, True, progress=False) == 0
     assert "DIFFERENT" in capsys.readouterr().out
-    a.cli("wait-sync", "--timeout", "120")
+    a.run("wait-sync", "--timeout", "120")
     assert run_cli(str(leaf_ini), "wait-sync", "--timeout", "120").returncode == 0
     want = table_checksum(b.db, "accounts")
     assert table_checksum(a.db, "accounts") == want

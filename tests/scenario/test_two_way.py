@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from conftest import Daemons, run_cli, table_checksum
+from conftest import Daemons, run_cli, run_in_process, table_checksum
 from test_replication import PGBENCH_TABLES, pgbench, pgbench_init
 
 from pgcascade.dev.localcluster import wait_until
@@ -41,6 +41,15 @@ class Master:
             )
         return r
 
+    def run(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """`pgcascade` in this process, checked: the set-up steps a test is not about (a process
+        each costs a second of CPU); what it is about runs as a process (cli)."""
+        r = run_in_process(str(self.ini), *args)
+        assert r.returncode == 0, (
+            f"{self.name}: pgcascade {' '.join(args)}: rc {r.returncode}\n{r.stdout}{r.stderr}"
+        )
+        return r
+
     def execute(self, sql: str, params: tuple | None = None) -> None:
         with self.db.connect() as conn:
             conn.execute(sql, params)
@@ -60,7 +69,7 @@ class TwoWaySet:
         )
         m = Master(name, db, ini)
         self.masters[name] = m
-        m.cli("create-root", name, *create_args)
+        m.run("create-root", name, *create_args)
         if create_args:  # logical capture: its daemon, a job of its own (pidfile, log)
             cap = self.tmp / f"{name}_capture.ini"
             cap.write_text(
@@ -76,7 +85,7 @@ class TwoWaySet:
             for p in self.masters.values():
                 if p is not m:
                     extra = ("--conflict", policy) if policy else ()
-                    m.cli("add-peer", p.name, "--location", p.db.connstr, *extra)
+                    m.run("add-peer", p.name, "--location", p.db.connstr, *extra)
 
     def start(self, *names: str) -> None:
         """Tickers and workers of these masters (all, by default)."""
@@ -184,12 +193,12 @@ def test_two_masters_resolve_each_conflict_kind_by_each_policy(two_way: TwoWaySe
         make_tables(m, *policies)
         m.execute(func)
     # a adds its tables before it knows its peer, b after: both ways must end two-way
-    a.cli("add-table", *policies)
+    a.run("add-table", *policies)
     two_way.connect_all()
     for t, policy in policies.items():
-        b.cli("add-table", t, *(("--conflict", policy) if policy else ()))
+        b.run("add-table", t, *(("--conflict", policy) if policy else ()))
         if policy:
-            a.cli("add-table", t, "--conflict", policy)
+            a.run("add-table", t, "--conflict", policy)
     two_way.start()
     for t in policies:
         a.execute(f"insert into {t} select i, 100, 'seed' from generate_series(1, 4) i")
@@ -298,7 +307,7 @@ def test_three_masters_converge_under_concurrent_writes(two_way: TwoWaySet, make
             "create sequence order_id; create table orders (id bigint primary key default nextval('order_id'), origin text)"
         )
         m.execute("select setval('order_id', 5)")  # some values handed out before
-        m.cli("add-table", "accounts", "history", "orders")
+        m.run("add-table", "accounts", "history", "orders")
     two_way.connect_all()
     residues = set()
     for m in masters:
@@ -460,7 +469,7 @@ def test_three_masters_lose_nothing_when_workers_are_killed_and_a_master_crashes
         m.execute(APPLIED_LOG)
         m.execute("insert into accounts select i, 0, null from generate_series(1, 50) i")
         pgbench_init(m.db)  # the same rows on every master
-        m.cli("add-table", "accounts", "history", *PGBENCH_TABLES)
+        m.run("add-table", "accounts", "history", *PGBENCH_TABLES)
     two_way.connect_all()
     for m in masters:
         m.cli("add-seq", "pgbench_history_hid_seq")  # history keys of its own per master
@@ -531,7 +540,7 @@ def test_two_masters_with_logical_capture_converge_without_echo(two_way: TwoWayS
     b = two_way.add_master("b", make_db("b"), "--capture=logical")
     for m in (a, b):
         make_tables(m, "t")
-        m.cli("add-table", "t")
+        m.run("add-table", "t")
     two_way.connect_all()
     two_way.start()
     a.execute("insert into t select i, 100, 'a' from generate_series(1, 50) i")
@@ -574,7 +583,7 @@ def test_two_masters_with_logical_capture_converge_without_echo(two_way: TwoWayS
     # a table a holds with rows, added on b empty: copied from a, under a's replication origin
     make_tables(a, "u")
     a.execute("insert into u select i, i, 'a' from generate_series(1, 500) i")
-    a.cli("add-table", "u")
+    a.run("add-table", "u")
     make_tables(b, "u")
     assert "copied from master a" in b.cli("add-table", "u").stdout
     two_way.wait_converged("u")
@@ -601,7 +610,7 @@ def test_a_master_that_joins_copies_a_table_from_a_peer_while_the_others_write(
     a, c = two_way.add_master("a", make_db("a")), two_way.add_master("c", make_db("c"))
     for m in (a, c):
         make_tables(m, "accounts")
-        m.cli("add-table", "accounts")
+        m.run("add-table", "accounts")
     two_way.connect_all()
     two_way.start()
     a.execute("insert into accounts select i, 0, 'a' from generate_series(1, 20000) i")
@@ -683,7 +692,7 @@ def test_truncates_on_one_master_racing_writes_on_the_others_converge(two_way: T
     for m in masters:
         make_tables(m, "t")
         m.execute("insert into t select i, 0, 'seed' from generate_series(1, 100) i")
-        m.cli("add-table", "t")
+        m.run("add-table", "t")
     two_way.connect_all()
     two_way.start()
     a, b, c = masters

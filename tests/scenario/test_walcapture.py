@@ -49,10 +49,10 @@ def logical_replica(replica):
     r = replica
     pgbench_init(r.root)
     pgbench_init(r.leaf)
-    r.cli("root", "create-root", "root", "--capture=logical")
-    r.cli("leaf", "create-leaf", "leaf1", "--provider", r.root.connstr)
-    r.cli("root", "add-table", *PGBENCH_TABLES)
-    r.cli("leaf", "add-table", *PGBENCH_TABLES, "--expect-sync")
+    r.run("root", "create-root", "root", "--capture=logical")
+    r.run("leaf", "create-leaf", "leaf1", "--provider", r.root.connstr)
+    r.run("root", "add-table", *PGBENCH_TABLES)
+    r.run("leaf", "add-table", *PGBENCH_TABLES, "--expect-sync")
     add_apply_audit(r.leaf)
     return r
 
@@ -110,12 +110,12 @@ def test_truncate_execute_and_a_big_transaction(replica):
     with r.root.connect() as conn:
         conn.execute("create table t (id int primary key, v text)")
         conn.execute("create table nokey (a int not null, b text)")
-    r.cli("root", "create-root", "root", "--capture=logical")
-    r.cli("leaf", "create-leaf", "leaf1", "--provider", r.root.connstr)
-    r.cli("root", "add-table", "t")
+    r.run("root", "create-root", "root", "--capture=logical")
+    r.run("leaf", "create-leaf", "leaf1", "--provider", r.root.connstr)
+    r.run("root", "add-table", "t")
     added = r.cli("root", "add-table", "nokey", "--key=a")
     assert "public.nokey: REPLICA IDENTITY FULL" in added.stderr
-    r.cli("leaf", "add-table", "t", "nokey", "--create")
+    r.run("leaf", "add-table", "t", "nokey", "--create")
     r.start_ticker()
     r.start_worker()
     start_capture(r)
@@ -163,8 +163,8 @@ def test_events_equal_the_triggers_json_for_every_type(replica, make_db):
                 conn.execute(s)
     for db in (r.root, trig):
         create_alltypes(db, "public.alltypes")
-    r.cli("root", "create-root", "root", "--capture=logical")
-    r.cli("root", "add-table", "alltypes")
+    r.run("root", "create-root", "root", "--capture=logical")
+    r.run("root", "add-table", "alltypes")
     trig_ini = r.ini("trig", trig)
     assert (
         subprocess.run(
@@ -178,8 +178,8 @@ def test_events_equal_the_triggers_json_for_every_type(replica, make_db):
         ).returncode
         == 0
     )
-    r.cli("leaf", "create-leaf", "leaf1", "--provider", r.root.connstr)
-    r.cli("leaf", "add-table", "alltypes", "--create")
+    r.run("leaf", "create-leaf", "leaf1", "--provider", r.root.connstr)
+    r.run("leaf", "add-table", "alltypes", "--create")
     r.start_ticker()
     r.start_worker()
     # the capture's sessions start with settings that render values otherwise (the server's
@@ -226,10 +226,10 @@ def test_capture_killed_between_queue_commit_and_slot_advance(replica, point):
     r = replica
     with r.root.connect() as conn:
         conn.execute("create table t (id int primary key, v text)")
-    r.cli("root", "create-root", "root", "--capture=logical")
-    r.cli("leaf", "create-leaf", "leaf1", "--provider", r.root.connstr)
-    r.cli("root", "add-table", "t")
-    r.cli("leaf", "add-table", "t", "--create")
+    r.run("root", "create-root", "root", "--capture=logical")
+    r.run("leaf", "create-leaf", "leaf1", "--provider", r.root.connstr)
+    r.run("root", "add-table", "t")
+    r.run("leaf", "add-table", "t", "--create")
     with r.root.connect() as conn:
         # 12,000 rows in one transaction (written in three chunks), all read in the first round
         conn.execute("set synchronous_commit = on")  # flushed: the daemon reads up to the flush
@@ -269,8 +269,8 @@ def test_slot_dropped_shows_in_status_and_is_made_again(replica):
     r = replica
     with r.root.connect() as conn:
         conn.execute("create table t (id int primary key)")
-    r.cli("root", "create-root", "root", "--capture=logical")
-    r.cli("root", "add-table", "t")
+    r.run("root", "create-root", "root", "--capture=logical")
+    r.run("root", "add-table", "t")
     slot = r.root.scalar("select slot_name from pgcascade.walcapture")
     assert r.root.scalar("select count(*) from pg_replication_slots where slot_name = %s", (slot,)) == 1
     r.root.scalar("select pg_drop_replication_slot(slot_name) from pgcascade.walcapture")
@@ -304,10 +304,10 @@ def test_tables_copied_under_load_end_equal(replica):
     snapshot are applied once more, as whole-row upserts, so only ALWAYS triggers would see it)."""
     r = replica
     pgbench_init(r.root)
-    r.cli("root", "create-root", "root", "--capture=logical")
-    r.cli("leaf", "create-leaf", "leaf1", "--provider", r.root.connstr)
-    r.cli("root", "add-table", *PGBENCH_TABLES)
-    r.cli("leaf", "add-table", *PGBENCH_TABLES, "--create")
+    r.run("root", "create-root", "root", "--capture=logical")
+    r.run("leaf", "create-leaf", "leaf1", "--provider", r.root.connstr)
+    r.run("root", "add-table", *PGBENCH_TABLES)
+    r.run("leaf", "add-table", *PGBENCH_TABLES, "--create")
     r.start_ticker()
     start_capture(r)
     load = pgbench(r.root, "-c", "2", "-j", "2", "-T", "8", "-R", "200")
@@ -323,9 +323,9 @@ def test_refusals_are_one_line_with_exit_2(replica, make_db, write_config):
     r = replica
     with r.root.connect() as conn:
         conn.execute("create table t (id int primary key)")
-    r.cli("root", "create-root", "root")  # trigger capture
-    r.cli("root", "add-table", "t")
-    r.cli("leaf", "create-leaf", "leaf1", "--provider", r.root.connstr)
+    r.run("root", "create-root", "root")  # trigger capture
+    r.run("root", "add-table", "t")
+    r.run("leaf", "create-leaf", "leaf1", "--provider", r.root.connstr)
     cases = [
         (("root", "capture"), "has no logical capture"),
         (("leaf", "capture"), "has no logical capture"),
