@@ -243,6 +243,14 @@ def run_in_process(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
+def run_ok(ini: Path | str, *args: str) -> subprocess.CompletedProcess[str]:
+    """run_in_process, checked to exit 0: the set-up steps and waits a test is not about (a
+    process each costs a second of CPU); what a test is about runs as a process (run_cli)."""
+    r = run_in_process(str(ini), *args)
+    assert r.returncode == 0, f"pgcascade {ini} {' '.join(args)}: rc {r.returncode}\n{r.stdout}\n{r.stderr}"
+    return r
+
+
 @pytest.fixture
 def cli():
     return run_cli
@@ -393,13 +401,8 @@ class ReplicaSet:
         return r
 
     def run(self, node: str, *args: str) -> subprocess.CompletedProcess[str]:
-        """`pgcascade NODE.ini ARGS` in this process (run_in_process), checked: the set-up steps
-        and waits a test is not about.  What a test is about runs as a process (cli)."""
-        r = run_in_process(str(self.tmp / f"{node}.ini"), *args)
-        assert r.returncode == 0, (
-            f"pgcascade {node} {' '.join(args)}: rc {r.returncode}\n{r.stdout}\n{r.stderr}"
-        )
-        return r
+        """`pgcascade NODE.ini ARGS` in this process (run_ok): set-up, not what a test is about."""
+        return run_ok(self.tmp / f"{node}.ini", *args)
 
     def setup(self, tables: list[str] | None = None, leaf_args: tuple[str, ...] = ("--create",)) -> None:
         self.run("root", "create-root", "root")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from conftest import Daemons, kill_processes_mentioning, run_cli, run_in_process, table_checksum
+from conftest import Daemons, kill_processes_mentioning, run_cli, run_ok, table_checksum
 from test_replication import PGBENCH_TABLES, add_apply_audit, pgbench, pgbench_init
 
 from pgcascade.dev.localcluster import LocalCluster, new_cluster, pg_bindir, wait_until
@@ -82,13 +82,8 @@ class Cascade:
         return r
 
     def run(self, name: str, *args: str) -> subprocess.CompletedProcess[str]:
-        """`pgcascade NAME.ini ARGS` in this process, checked: the set-up steps a test is not
-        about (a process each costs a second of CPU); what it is about runs as a process (cli)."""
-        r = run_in_process(str(self.ini(name)), *args)
-        assert r.returncode == 0, (
-            f"pgcascade {name} {' '.join(args)}: rc {r.returncode}\n{r.stdout}\n{r.stderr}"
-        )
-        return r
+        """`pgcascade NAME.ini ARGS` in this process (run_ok): set-up, not what a test is about."""
+        return run_ok(self.ini(name), *args)
 
     def create(self, name: str, kind: str, provider: str | None = None) -> None:
         if kind == "root":

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from conftest import Daemons, run_cli, run_in_process, table_checksum
+from conftest import Daemons, run_cli, run_ok, table_checksum
 from test_replication import PGBENCH_TABLES, pgbench, pgbench_init
 
 from pgcascade.dev.localcluster import wait_until
@@ -42,13 +42,8 @@ class Master:
         return r
 
     def run(self, *args: str) -> subprocess.CompletedProcess[str]:
-        """`pgcascade` in this process, checked: the set-up steps a test is not about (a process
-        each costs a second of CPU); what it is about runs as a process (cli)."""
-        r = run_in_process(str(self.ini), *args)
-        assert r.returncode == 0, (
-            f"{self.name}: pgcascade {' '.join(args)}: rc {r.returncode}\n{r.stdout}{r.stderr}"
-        )
-        return r
+        """`pgcascade` in this process (run_ok): set-up, not what a test is about."""
+        return run_ok(self.ini, *args)
 
     def execute(self, sql: str, params: tuple | None = None) -> None:
         with self.db.connect() as conn:
