@@ -1,8 +1,9 @@
 """The apply of a two-way peer's batch: one set-based statement per table, conflicts included.
 
-For each table with row events in the staged batch, one statement (composed here once per table
-and policy, prepared by the driver, all tables of a batch sent in one pipeline, each after the
-statement that locks its rows) does what the docs (docs/two-way.md, "Conflicts") describe:
+For each table with row events in the batch (staged, or for a small batch held in settings of
+the transaction: peer_worker.py), one statement (composed here once per table and policy, all
+tables of a batch sent together, each after the statement that locks its rows) does what the
+docs (docs/two-way.md, "Conflicts") describe:
 
 1. the net change per key (the last event wins; the first says how the peer's change began);
 2. the local row and its version: `row_version` for rows a peer's apply wrote and for
@@ -30,6 +31,7 @@ transaction id (row_version.xid).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -50,17 +52,31 @@ PEER_SELECT = "ev_id, ev_txid, ev_type, ev_data, ev_extra1, {}, ev_extra2, ev_ex
 PEER_TIME = {False: "coalesce(pgcascade.commit_time(ev_txid::text::xid8), ev_time)", True: "ev_time"}
 
 # where the statements read the batch's events from: the staging table (a batch applied step by
-# step), or (a small batch applied in one round trip, peer_worker.py) the batch's JSON array of
-# [ev_id, ev_txid, ev_type, ev_data, ev_extra1, ev_time, ev_extra2], set in the transaction as
-# PEER_SETTING - nothing is written to a temporary table then (its rows and its truncation at
-# commit cost more than the rest of a small batch), and pgcascade.peer_batch_done reads it too
+# step), or (a small batch applied in one round trip, peer_worker.py) JSON arrays of [ev_id,
+# ev_txid, ev_type, ev_data, ev_extra1, ev_time, ev_extra2] set in the transaction: each
+# table's events in a setting of its own (events_setting), the peer's markers in SEEN_SETTING.
+# Nothing is written to a temporary table then (its rows and its truncation at commit cost more
+# than the rest of a small batch), and each statement parses only the events it reads: jsonb,
+# whose elements' fields are read without parsing them again (as json's are)
 STAGE = sql.SQL("pg_temp.pgcascade_stage")
-PEER_SETTING = "pgcascade.peer_events"
-PEER_EVENTS = sql.SQL(
-    "(select (e->>0)::int8 as ev_id, e->>2 as ev_type, e->>3 as ev_data, e->>4 as ev_extra1,"
-    " (e->>5)::timestamptz as ev_time, e->>6 as ev_extra2 from json_array_elements(current_setting({})::json) e)"
-).format(sql.Literal(PEER_SETTING))
-# the batch's tick, in the statements over PEER_EVENTS: the one parameter of the prepared statement
+SEEN_SETTING = "pgcascade.peer_markers"
+CHANGES_SETTING = "pgcascade.peer_changes"  # 'on': the batch has changes (pgcascade.peer_batch_done)
+
+
+def events_setting(table: str) -> str:
+    """The setting that holds a small batch's events of `table`."""
+    return "pgcascade.peer_events_" + hashlib.sha1(table.encode()).hexdigest()[:16]
+
+
+def peer_events(setting: str) -> sql.Composed:
+    """The events a small batch's transaction holds in `setting`, as the stage's columns."""
+    return sql.SQL(
+        "(select (e->>0)::int8 as ev_id, e->>2 as ev_type, e->>3 as ev_data, e->>4 as ev_extra1,"
+        " (e->>5)::timestamptz as ev_time, e->>6 as ev_extra2 from jsonb_array_elements(current_setting({})::jsonb) e)"
+    ).format(sql.Literal(setting))
+
+
+# the batch's tick, in the statements over the settings: the one parameter of the prepared statement
 # (it only names the versions written, so the generic plan is the custom one)
 TICK_PARAM = sql.SQL("$1::int8")
 
@@ -122,17 +138,20 @@ def statement(sub: psycopg.Connection, t: PeerTable, peer: PeerBatch) -> tuple[b
 
 
 def inline_statement(sub: psycopg.Connection, t: PeerTable, peer: PeerBatch) -> tuple[bytes, bytes]:
-    """The same two over PEER_EVENTS, their values as literals but the tick ($1), to be
-    PREPAREd (replica/prepared.py)."""
+    """The same two over the settings of a small batch, their values as literals but the
+    tick ($1), to be PREPAREd (replica/prepared.py)."""
     policy = peer.policies.get(t.table, peer.policy)
     key = (peer.peer, peer.me, policy, True)
     found = t.peer_sql.get(key)
     if found is None:
-        apply = compose(sub, t, peer.peer, peer.me, ConflictPolicy.parse(policy), PEER_EVENTS)
+        source = peer_events(events_setting(t.table))
+        apply = compose(
+            sub, t, peer.peer, peer.me, ConflictPolicy.parse(policy), source, peer_events(SEEN_SETTING)
+        )
         values = params(t, 0, 2**63 - 1, peer)  # every event of the batch
         bind = psycopg.ClientCursor(sub).mogrify
         found = t.peer_sql[key] = (
-            bind(lock(sub, t, PEER_EVENTS).as_bytes(sub), values).encode(),
+            bind(lock(sub, t, source).as_bytes(sub), values).encode(),
             bind(apply.as_bytes(sub), values).encode(),
         )
     return found
@@ -141,7 +160,7 @@ def inline_statement(sub: psycopg.Connection, t: PeerTable, peer: PeerBatch) -> 
 def lock(sub: psycopg.Connection, t: PeerTable, source: sql.Composable = STAGE) -> sql.Composed:
     """The statement that locks the local rows of the keys the batch changes, in key order,
     before the apply statement reads them (see the module's docstring); the events are read
-    from `source` (STAGE or PEER_EVENTS)."""
+    from `source` (STAGE or peer_events)."""
     base = sub.execute("select pgcascade.missing_row_expr(%s::regclass)", (t.dest,)).fetchone() or ("",)
     populate = sql.SQL(
         "pgcascade.event_row({}, s.ev_data)" if t.json_nulls else "json_populate_record({}, s.ev_data::json)"
@@ -167,12 +186,14 @@ def compose(
     me: str,
     policy: ConflictPolicy,
     source: sql.Composable = STAGE,
+    markers: sql.Composable = STAGE,
 ) -> sql.Composed:
     """The one statement that applies a table's events of a peer's batch, read from `source`
-    (STAGE, or PEER_EVENTS with the tick as $1); it returns the conflicts it logged (see the module's docstring for what it does, in order).  It writes every
-    column the table has here now (DDL on either master may have changed them since the worker
-    read them): one the peer's image lacks gets the value of old rows (missing_row_expr), one
-    only the peer has is left out."""
+    and the batch's markers from `markers` (STAGE, or peer_events with the tick as $1); it
+    returns the conflicts it logged (see the module's docstring for what it does, in order).
+    It writes every column the table has here now (DDL on either master may have changed them
+    since the worker read them): one the peer's image lacks gets the value of old rows
+    (missing_row_expr), one only the peer has is left out."""
     dest = sql.SQL(t.dest)  # canonical name, quoted by the server
     cols = [c for c in catalog.columns(sub, t.dest) if not c.generated]
     base, signature = sub.execute(
@@ -238,6 +259,7 @@ def compose(
         signature=sql.Literal(signature),
         dest_name=sql.Literal(t.dest),
         source=source,
+        markers=markers,
         tick=sql.SQL("%(tick)s") if source is STAGE else TICK_PARAM,
     )
 
@@ -305,7 +327,7 @@ STATEMENT = (
     "         as to_ev, tick, snap"
     "    from (select s.ev_extra1 as origin, s.ev_id as from_ev, s.ev_data::int8 as tick,"
     "                 s.ev_extra2::pg_snapshot as snap"
-    "            from {source} s where s.ev_type = 'pgcascade.peer-seen'"
+    "            from {markers} s where s.ev_type = 'pgcascade.peer-seen'"
     "          union all"
     "          select origin, -1, seen_tick, seen_snapshot from pgcascade.peer_seen where queue_name = %(queue)s) mk),"
     " judged as materialized ("

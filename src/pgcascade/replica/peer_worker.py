@@ -8,12 +8,12 @@ master's own, `pgcascade.peer_batch_done`).
 A small batch (at most SMALL_BATCH events of the peer's own, only row changes and markers - the
 common case when changes trickle in) is read from the peer into memory and applied in ONE round
 trip, one message of the simple query protocol as a one-way batch (inline.py): BEGIN, the
-batch's events as a JSON array in a setting of the transaction (peer_apply.PEER_EVENTS), the
-checks the step-by-step way makes by looking (`pgcascade.peer_batch_begin` refuses the batch
-when the node is not where the batch starts, or the policies changed), each table's two
-statements (peer_apply.py) PREPAREd (prepared.py: values as literals, the tick as their one
-parameter), the markers (`pgcascade.peer_batch_done` reads the same setting), the tick and
-COMMIT.  Nothing is staged: a transaction that touches the temporary stage pays for its
+batch's events as JSON arrays in settings of the transaction (each table's in its own, the
+markers in another: peer_apply.peer_events), the checks the step-by-step way makes by looking
+(`pgcascade.peer_batch_begin` refuses the batch when the node is not where the batch starts,
+or the policies changed), each table's two statements (peer_apply.py) PREPAREd (prepared.py:
+values as literals, the tick as their one parameter), the markers (`pgcascade.peer_batch_done`
+reads the same setting), the tick and COMMIT.  Nothing is staged: a transaction that touches the temporary stage pays for its
 truncation at commit, more than the rest of a small batch.  Such a batch never holds a TRUNCATE
 (FAST_TYPES), which reads the stage (94_two_way_truncate.sql).  Any other batch, or one refused
 or failing so, goes step by step: BEGIN, one pipeline, the COPY of the events, the barriers'
@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -60,8 +61,6 @@ SMALL_SELECT = (
 )
 REFUSED = ("PCB01", "PCB02")  # pgcascade.peer_batch_begin: go step by step
 FAST_TYPES = frozenset({"I", "U", "D", PEER_SEEN})
-# the small batch's settings: its events among them, for every statement (peer_apply.PEER_EVENTS)
-INLINE_SETTINGS = f"{SETTINGS}, set_config('{peer_apply.PEER_SETTING}', %s, true)"
 BATCH_DONE = "select pgcascade.peer_batch_done(%s, %s, %s, %s, %s)"
 
 
@@ -155,21 +154,32 @@ def apply_in_one(
         if a is None:
             stats.ignored += n
         else:  # composed before the message: composing reads the catalog
-            todo.append(peer_apply.inline_statement(sub, a, peer))
-    prepared.ensure(sub, [body for pair in todo for body in pair])
-    bind = psycopg.ClientCursor(sub).mogrify
-    # the events as the statements read them (peer_apply.PEER_EVENTS), times to the microsecond
-    data = json.dumps([e[:7] for e in events], default=datetime.isoformat, ensure_ascii=False)
+            todo.append((table, peer_apply.inline_statement(sub, a, peer)))
+    prepared.ensure(sub, [body for _t, pair in todo for body in pair])
+    bind = prepared.binder(sub).mogrify
+    settings = [
+        (peer_apply.SEEN_SETTING, as_json(e for e in events if e[2] == PEER_SEEN)),
+        (peer_apply.CHANGES_SETTING, "on" if rows else "off"),
+        *(
+            (
+                peer_apply.events_setting(table),
+                as_json(e for e in events if e[4] == table and e[2] != PEER_SEEN),
+            )
+            for table, _ in todo
+        ),
+    ]
     statements = [
         b"begin",
-        bind(INLINE_SETTINGS, (data,)).encode(),
+        bind(
+            SETTINGS + ", set_config(%s, %s, true)" * len(settings), [v for pair in settings for v in pair]
+        ).encode(),
         bind(
             "select pgcascade.peer_batch_begin(%s, %s, %s, %s, %s)",
             (node.peer_of, node.queue_name, node.provider_node, info.prev_tick_id, state.policies_hash),
         ).encode(),
         *(
             s
-            for lock, stmt in todo
+            for _t, (lock, stmt) in todo
             for s in (prepared.execute(lock), prepared.execute(stmt, str(info.cur_tick_id).encode()))
         ),
         bind(BATCH_DONE, (peer.own_queue, node.queue_name, peer.peer, info.cur_tick_id, snapshot)).encode(),
@@ -180,7 +190,7 @@ def apply_in_one(
     cur = sub.cursor()
     try:
         # one message of the simple query protocol, as inline.py: the server stops at the first error
-        cur.execute(b";\n".join(statements))
+        cur.execute(b";\n".join(statements), prepare=False)
     except psycopg.Error as e:
         if sub.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
             sub.execute("rollback")
@@ -195,6 +205,12 @@ def apply_in_one(
     if results[-2]:  # as a rule none: they only ever move up, so after the commit is as good
         subscriber_seqs.sync_sequences(prov, sub, node.queue_name)
     return stats
+
+
+def as_json(events: Iterable[tuple]) -> str:
+    """Events as the small batch's settings hold them (peer_apply.peer_events), times to the
+    microsecond."""
+    return json.dumps([e[:7] for e in events], default=datetime.isoformat, ensure_ascii=False)
 
 
 def apply_step_by_step(

@@ -246,30 +246,31 @@ drop function if exists pgcascade.apply_peer_rows(text, text, text, text, regcla
 
 -- pgcascade.peer_batch_done(own_queue, peer_queue, peer, tick, tick_snapshot) -> void: after a
 -- peer's batch is applied here, in its transaction: what the peer had applied of each origin
--- (the batch's markers), and this master's own marker for its peers.  The batch's events are
--- the staged ones, or, for a small batch applied in one round trip (replica/peer_worker.py),
--- the JSON array set in the transaction as pgcascade.peer_events ([ev_id, ev_txid, ev_type,
--- ev_data, ev_extra1, ev_time, ev_extra2]): that path touches no temporary table (any access
--- to one makes the commit truncate the ON COMMIT DELETE ROWS stage).
+-- (the batch's markers), and this master's own marker for its peers.  The markers are the
+-- staged ones, or, for a small batch applied in one round trip (replica/peer_worker.py), the
+-- JSON array set in the transaction as pgcascade.peer_markers ([ev_id, ev_txid, ev_type, ev_data,
+-- ev_extra1, ev_time, ev_extra2]), with pgcascade.peer_changes saying whether the batch has
+-- changes: that path touches no temporary table (any access to one makes the commit truncate
+-- the ON COMMIT DELETE ROWS stage).
 create or replace function pgcascade.peer_batch_done(
     i_own_queue text, i_peer_queue text, i_peer text, i_tick int8, i_snapshot text)
 returns void
 language plpgsql as $$
 declare
-    v_events json := nullif(current_setting('pgcascade.peer_events', true), '')::json;
+    v_seen jsonb := nullif(current_setting('pgcascade.peer_markers', true), '')::jsonb;
     v_changes bool;
 begin
     if i_snapshot is null then  -- a marker without it would make the peers judge conflicts wrongly
         raise exception 'peer_batch_done: no snapshot for tick % of %', i_tick, i_peer_queue;
     end if;
-    if v_events is not null then
+    if v_seen is not null then
         insert into pgcascade.peer_seen (queue_name, origin, seen_tick, seen_snapshot)
         select distinct on (e->>4) i_peer_queue, e->>4, (e->>3)::int8, (e->>6)::pg_snapshot
-          from json_array_elements(v_events) e where e->>2 = 'pgcascade.peer-seen'
+          from jsonb_array_elements(v_seen) e where e->>2 = 'pgcascade.peer-seen'
          order by e->>4, (e->>0)::int8 desc
         on conflict (queue_name, origin) do update
            set seen_tick = excluded.seen_tick, seen_snapshot = excluded.seen_snapshot;
-        v_changes := exists (select 1 from json_array_elements(v_events) e where e->>2 not like 'pgcascade.%');
+        v_changes := current_setting('pgcascade.peer_changes') = 'on';
     else
         insert into pgcascade.peer_seen (queue_name, origin, seen_tick, seen_snapshot)
         select distinct on (ev_extra1) i_peer_queue, ev_extra1, ev_data::int8, ev_extra2::pg_snapshot
