@@ -151,21 +151,14 @@ def apply_batch(
         b"select pg_current_wal_insert_lsn()::text",
         *(prepared.execute(body) for body in reads),
     ]
-    cur = sub.cursor()
     try:
-        # one message of the simple query protocol: one round trip (psycopg's pipeline mode
-        # took several wake-ups per batch), the server stops at the first error; a new text
-        # each time, which psycopg's prepared-statement bookkeeping need not count
-        cur.execute(b";\n".join(statements), prepare=False)
+        # one message: one round trip (psycopg's pipeline mode took several wake-ups per batch)
+        cur = prepared.run(sub, statements)
     except psycopg.Error as e:
-        if sub.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-            sub.execute("rollback")
         if e.sqlstate == "PCRES":
             raise NotAtRecord(int(e.diag.message_detail or 0)) from None
         if e.sqlstate == "PCMOV":
             raise Moved(str(e)) from None
-        if e.sqlstate in prepared.STALE:
-            prepared.forget(sub)
         raise
     for _ in range(len(statements) - 3):  # a result per statement: on to the three reads
         cur.nextset()

@@ -187,16 +187,7 @@ def apply_in_one(
         bind(subscriber_seqs.SEQS, (node.queue_name,)).encode(),
         b"commit",
     ]
-    cur = sub.cursor()
-    try:
-        # one message of the simple query protocol, as inline.py: the server stops at the first error
-        cur.execute(b";\n".join(statements), prepare=False)
-    except psycopg.Error as e:
-        if sub.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-            sub.execute("rollback")
-        if e.sqlstate in prepared.STALE:
-            prepared.forget(sub)
-        raise
+    cur = prepared.run(sub, statements)  # one message, as inline.py
     results = []  # a result per statement: the apply statements' conflicts, and the sequences
     for _ in statements:
         results.append(cur.fetchall() if cur.description is not None else [])

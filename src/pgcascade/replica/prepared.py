@@ -90,3 +90,21 @@ def forget(conn: psycopg.Connection) -> None:
             raise
         except psycopg.Error:  # already gone
             continue
+
+
+def run(conn: psycopg.Connection, statements: list[bytes]) -> psycopg.Cursor:
+    """Send `statements` as one message of the simple query protocol (one round trip; the
+    server stops at the first error) and return the cursor at the first result.  On an error
+    the transaction is rolled back, and this session's statements are forgotten if one of them
+    may be the cause."""
+    cur = conn.cursor()
+    try:
+        # a new text each time, which psycopg's prepared-statement bookkeeping need not count
+        cur.execute(b";\n".join(statements), prepare=False)
+    except psycopg.Error as e:
+        if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            conn.execute("rollback")
+        if e.sqlstate in STALE:
+            forget(conn)
+        raise
+    return cur
