@@ -57,7 +57,6 @@ def test_a_table_grown_from_empty_is_applied_by_index_probes(replica):
     replica.wait_sync()
     time.sleep(1.5)
     seq, idx = scans(replica.leaf)
-    print("scans", before, (seq, idx))
     assert n > 20000
     assert seq == before[0], f"{seq - before[0]} sequential scan(s) of a table of {n} rows"
     assert idx > before[1]
