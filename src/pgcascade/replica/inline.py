@@ -80,7 +80,7 @@ def takes(info: BatchInfo, appliers: dict[str, TableApplier]) -> bool:
 
 def set_statement(sub: psycopg.Connection, a: TableApplier) -> bytes:
     """The table's set-based statement over the batch's events, its values as literals:
-    prepared without parameters, its plan is made every few seconds (prepared.py)."""
+    prepared without parameters, its plan is made every second (prepared.py)."""
     key = (a.inline_sql or b"", a.table)
     if key not in _SET_STATEMENTS:
         if len(_SET_STATEMENTS) > 1000:  # composed again after DDL: old ones are dropped
