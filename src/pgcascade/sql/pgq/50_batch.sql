@@ -1,3 +1,26 @@
+-- pgcascade.batch_end(subscription, prev_event_seq, max_events, max_tick) -> the tick the next
+-- batch of a consumer without an open batch ends at (null: none follows its position yet): the
+-- next tick, or - with max_events - the furthest tick within about max_events events of the
+-- position (`prev_event_seq`: its tick's event counter), never past max_tick.
+create or replace function pgcascade.batch_end(
+    s pgcascade.subscription, i_prev_event_seq int8, i_max_events int8, i_max_tick int8) returns int8
+language plpgsql stable as $$
+declare
+    v_next int8;
+    v_far int8;
+begin
+    select min(t.tick_id) into v_next from pgcascade.tick t
+     where t.tick_queue = s.sub_queue and t.tick_id > s.sub_last_tick;
+    if v_next is not null and i_max_events is not null then
+        select max(t.tick_id) into v_far from pgcascade.tick t
+         where t.tick_queue = s.sub_queue and t.tick_id > v_next
+           and t.tick_id <= coalesce(i_max_tick, t.tick_id)
+           and t.tick_event_seq <= i_prev_event_seq + i_max_events;
+        v_next := greatest(v_next, v_far);
+    end if;
+    return v_next;
+end $$;
+
 -- pgcascade.next_batch_custom(queue, consumer, max_events, max_tick) -> the consumer's open
 -- batch, opening the next one:
 --   batch_id            null when no tick follows the consumer's position yet
@@ -15,7 +38,6 @@ language plpgsql as $$
 declare
     s pgcascade.subscription;
     v_next int8;
-    v_far int8;
 begin
     s := pgcascade.find_subscription(i_queue_name, i_consumer, true);
     select t.tick_time, t.tick_event_seq into prev_tick_time, prev_tick_event_seq
@@ -24,15 +46,7 @@ begin
         raise exception 'tick % of consumer "%" on queue "%" no longer exists', s.sub_last_tick, i_consumer, i_queue_name;
     end if;
     if s.sub_batch is null and (i_max_tick is null or i_max_tick > s.sub_last_tick) then
-        select min(t.tick_id) into v_next from pgcascade.tick t
-         where t.tick_queue = s.sub_queue and t.tick_id > s.sub_last_tick;
-        if v_next is not null and i_max_events is not null then
-            select max(t.tick_id) into v_far from pgcascade.tick t
-             where t.tick_queue = s.sub_queue and t.tick_id > v_next
-               and t.tick_id <= coalesce(i_max_tick, t.tick_id)
-               and t.tick_event_seq <= prev_tick_event_seq + i_max_events;
-            v_next := greatest(v_next, v_far);
-        end if;
+        v_next := pgcascade.batch_end(s, prev_tick_event_seq, i_max_events, i_max_tick);
         if v_next is not null then
             s.sub_batch := nextval('pgcascade.batch_id_seq');
             s.sub_next_tick := v_next;

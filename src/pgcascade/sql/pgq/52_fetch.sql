@@ -102,6 +102,9 @@ end $$;
 -- First it finishes `finish_batch` if that is still open (the consumer applied it; finishing
 -- twice is harmless), then, with `tick`, ticks the queue if the consumer is at its newest tick,
 -- no other reader is far behind (readers_behind) and committed events wait (tick_if_waiting).
+-- next_batch_custom's batch, cut here: the finish, the tick and the new batch write the
+-- subscription's row once, and a tick made here, next to the consumer's, is the batch's end
+-- with no further lookup (the ticks' lookups and the second write were a third of the call).
 create or replace function pgcascade.next_batch_events(
     i_queue_name text, i_consumer text, i_finish_batch int8, i_max_events int8, i_max_tick int8,
     i_tick bool, i_inline_events int8, i_seqs text[],
@@ -114,58 +117,80 @@ create or replace function pgcascade.next_batch_events(
 language plpgsql set plan_cache_mode = force_generic_plan as $$
 declare
     s pgcascade.subscription;
-    b record;
+    finished bool := false;  -- i_finish_batch finished in s, not written yet
+    beyond bool := false;  -- ticks follow the consumer's position
+    made int8;  -- the tick this call made
+    v_next int8;
     prev_snap pg_snapshot;
     cur_snap txid_snapshot;
     xip int8[];
     n_events int8;
 begin
-    if i_finish_batch is not null then
+    s := pgcascade.find_subscription(i_queue_name, i_consumer, true);
+    if i_finish_batch is not null and s.sub_batch = i_finish_batch then
+        s.sub_last_tick := s.sub_next_tick;
+        s.sub_next_tick := null;
+        s.sub_batch := null;
+        finished := true;
+    elsif i_finish_batch is not null then  -- finished already, or (never here) another consumer's
         update pgcascade.subscription
            set sub_last_tick = sub_next_tick, sub_next_tick = null, sub_batch = null, sub_active = now()
          where sub_batch = i_finish_batch;
     end if;
-    s := pgcascade.find_subscription(i_queue_name, i_consumer, true);
     if i_seqs is not null then
         seq_values := array(select pg_sequence_last_value(to_regclass(n)) from unnest(i_seqs) with ordinality u(n, o)
                              order by o);
     end if;
-    if s.sub_batch is null
-       and not exists (select 1 from pgcascade.tick t where t.tick_queue = s.sub_queue and t.tick_id > s.sub_last_tick)
-       and (not i_tick or (i_max_tick is not null and i_max_tick <= s.sub_last_tick)
-            or pgcascade.readers_behind(s) or pgcascade.tick_if_waiting(i_queue_name) is null) then
-        -- nothing new: no batch, and no write but a sign of life now and then (a consumer
-        -- that keeps up asks every few milliseconds)
-        select t.tick_time, t.tick_event_seq into prev_tick_time, prev_tick_event_seq
-          from pgcascade.tick t where t.tick_queue = s.sub_queue and t.tick_id = s.sub_last_tick;
-        if found then
-            prev_tick_id := s.sub_last_tick;
-            if s.sub_active < now() - interval '1 second' then
-                update pgcascade.subscription set sub_active = now() where sub_id = s.sub_id;
-            end if;
-            return;
+    if s.sub_batch is null then
+        beyond := exists (select 1 from pgcascade.tick t where t.tick_queue = s.sub_queue and t.tick_id > s.sub_last_tick);
+        if not beyond and i_tick and (i_max_tick is null or i_max_tick > s.sub_last_tick)
+           and not pgcascade.readers_behind(s) then
+            made := pgcascade.tick_if_waiting(i_queue_name);
         end if;
     end if;
-    select * into b from pgcascade.next_batch_custom(i_queue_name, i_consumer, i_max_events, i_max_tick);
-    batch_id := b.batch_id;
-    cur_tick_id := b.cur_tick_id;
-    prev_tick_id := b.prev_tick_id;
-    cur_tick_time := b.cur_tick_time;
-    prev_tick_time := b.prev_tick_time;
-    cur_tick_event_seq := b.cur_tick_event_seq;
-    prev_tick_event_seq := b.prev_tick_event_seq;
-    if batch_id is null then
+    select t.tick_time, t.tick_event_seq, t.tick_snapshot into prev_tick_time, prev_tick_event_seq, prev_snap
+      from pgcascade.tick t where t.tick_queue = s.sub_queue and t.tick_id = s.sub_last_tick;
+    if not found then
+        raise exception 'tick % of consumer "%" on queue "%" no longer exists', s.sub_last_tick, i_consumer, i_queue_name;
+    end if;
+    prev_tick_id := s.sub_last_tick;
+    if s.sub_batch is null and (beyond or made is not null) and (i_max_tick is null or i_max_tick > s.sub_last_tick) then
+        -- a tick made here right after the consumer's is the only one after it: ticks are
+        -- numbered in turn under the queue's row lock, which this transaction holds
+        v_next := case when made = s.sub_last_tick + 1 then made
+                       else pgcascade.batch_end(s, prev_tick_event_seq, i_max_events, i_max_tick) end;
+        if v_next is not null then
+            s.sub_batch := nextval('pgcascade.batch_id_seq');
+            s.sub_next_tick := v_next;
+        end if;
+    end if;
+    if s.sub_batch is null then
+        -- nothing new: no batch, and no write but the finish or a sign of life now and then
+        -- (a consumer that keeps up asks every few milliseconds)
+        if finished or s.sub_active < now() - interval '1 second' then
+            update pgcascade.subscription
+               set sub_last_tick = s.sub_last_tick, sub_next_tick = null, sub_batch = null, sub_active = now()
+             where sub_id = s.sub_id;
+        end if;
         return;
     end if;
+    if finished or v_next is not null then
+        update pgcascade.subscription
+           set sub_last_tick = s.sub_last_tick, sub_next_tick = s.sub_next_tick, sub_batch = s.sub_batch,
+               sub_active = now()
+         where sub_id = s.sub_id;
+    end if;
+    batch_id := s.sub_batch;
+    cur_tick_id := s.sub_next_tick;
+    select t.tick_time, t.tick_event_seq, t.tick_snapshot::text::txid_snapshot
+      into cur_tick_time, cur_tick_event_seq, cur_snap
+      from pgcascade.tick t where t.tick_queue = s.sub_queue and t.tick_id = cur_tick_id;
     if cur_tick_event_seq - prev_tick_event_seq > i_inline_events then
         event_sql := pgcascade.batch_event_sql(batch_id);
         return;
     end if;
     -- the batch's events (batch_event_sql's selection) as static SQL: its plan is cached,
     -- where the composed query of a batch would be planned again each time
-    select t.tick_snapshot into prev_snap from pgcascade.tick t where t.tick_queue = s.sub_queue and t.tick_id = prev_tick_id;
-    select t.tick_snapshot::text::txid_snapshot into cur_snap from pgcascade.tick t
-     where t.tick_queue = s.sub_queue and t.tick_id = cur_tick_id;
     -- (those still in progress at the later tick left out, as in batch_event_sql)
     xip := array(select x::text::int8 from pg_snapshot_xip(prev_snap) x
                   where txid_visible_in_snapshot(x::text::int8, cur_snap));
