@@ -508,3 +508,31 @@ def test_a_consumer_ticks_when_a_transaction_open_at_the_last_tick_commits(qdb):
         info = fetch(conn)
         assert info.batch_id is not None and info.events is not None
         assert sorted(e[0] for e in json.loads(info.events)) == open_ids
+
+
+def test_the_ticker_ticks_for_a_transaction_open_at_its_last_tick_once_it_commits(qdb):
+    """The ticker daemon's check: events of a transaction in progress at the last tick wait once
+    it commits (within ticker_max_lag, not the idle period), and do not while it is open."""
+
+    def ticks(conn: psycopg.Connection) -> int:
+        return conn.execute("select count(*) from pgcascade.tick").fetchone()[0]
+
+    with qdb.connect() as conn, qdb.connect(autocommit=False) as open_tx:
+        conn.execute(
+            "update pgcascade.queue set queue_ticker_max_lag = '10 ms', queue_ticker_idle_period = '1 hour'"
+            " where queue_name = %s",
+            (Q,),
+        )
+        open_ids = [q.insert_event(open_tx, Q, "open", f"o{i}") for i in range(3)]
+        q.ticker(conn, Q)  # counts the open transaction's events, in progress in its snapshot
+        consume_all(conn, Q, "c1")
+        before = ticks(conn)
+        time.sleep(0.05)
+        assert q.ticker(conn) == 0  # nothing committed since: no tick
+        open_tx.commit()
+        time.sleep(0.05)
+        assert q.ticker(conn) == 1
+        assert ticks(conn) == before + 1
+        assert sorted(ev["ev_id"] for _, ev in consume_all(conn, Q, "c1")) == open_ids
+        time.sleep(0.05)
+        assert q.ticker(conn) == 0  # and once only

@@ -96,6 +96,9 @@ end $$;
 -- pgcascade.ticker() -> number of ticks made: tick every queue that needs it.
 -- A queue needs a tick when events wait and (their count >= ticker_max_count or the last
 -- tick is older than ticker_max_lag), or when ticker_idle_period passed without a tick.
+-- Events wait when numbered since the last tick, or committed since it by a transaction in
+-- progress at it: such a transaction numbered its events before the tick (counted by it) and
+-- commits them after; with nothing numbered since, it waited for the idle period (1 s).
 create or replace function pgcascade.ticker() returns int4
 language plpgsql as $$
 declare
@@ -103,18 +106,22 @@ declare
     n int4 := 0;
     last_time timestamptz;
     last_seq int8;
+    last_snap pg_snapshot;
     waiting int8;
 begin
     for q in select * from pgcascade.queue
               where not queue_ticker_paused and not queue_external_ticker
               order by queue_id for update skip locked loop
-        select tick_time, tick_event_seq into last_time, last_seq
+        select tick_time, tick_event_seq, tick_snapshot into last_time, last_seq, last_snap
           from pgcascade.tick where tick_queue = q.queue_id order by tick_id desc limit 1;
         waiting := coalesce(pg_sequence_last_value(q.queue_event_seq), 0) - coalesce(last_seq, 0);
         if last_time is null
            or waiting >= q.queue_ticker_max_count
            or (waiting > 0 and now() - last_time >= q.queue_ticker_max_lag)
-           or now() - last_time >= q.queue_ticker_idle_period then
+           or now() - last_time >= q.queue_ticker_idle_period
+           or (waiting <= 0 and now() - last_time >= q.queue_ticker_max_lag
+               and exists (select 1 from pg_snapshot_xip(last_snap))
+               and pgcascade.events_committed_since(q.queue_id, last_snap)) then
             perform pgcascade.make_tick(q, null, null, null);
             n := n + 1;
         end if;
