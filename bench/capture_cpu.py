@@ -106,7 +106,7 @@ def capture_backend_pids(c: LocalCluster, db: str) -> list[int]:
 def wait_captured(c: LocalCluster, db: str, timeout: float = 120) -> None:
     """Until the capture daemon has taken every change up to the current WAL position."""
     with c.connect(db) as conn:
-        target = conn.execute("select pg_current_wal_lsn()").fetchone()[0]
+        target = conn.execute("select pg_current_wal_insert_lsn()").fetchone()[0]  # async commits too
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             row = conn.execute(

@@ -21,6 +21,7 @@ from conftest import run_cli, table_checksum
 from test_replication import PGBENCH_TABLES, add_apply_audit, assert_applied_once, pgbench, pgbench_init
 from test_replication_types import COLUMNS, NEG_ZERO, ROWS, TYPES_DDL, create_alltypes, insert_rows
 
+from pgcascade.capture import logical
 from pgcascade.dev.localcluster import wait_until
 
 
@@ -151,6 +152,36 @@ def test_truncate_execute_and_a_big_transaction(replica):
             conn.execute("select relreplident from pg_class where oid = 'nokey'::regclass").fetchone()[0]
             == "f"
         )
+
+
+def test_wait_sync_waits_for_asynchronously_committed_transactions(replica):
+    """An asynchronous commit's record lies beyond the WAL's write position until the WAL
+    writer gets to it: the wait wait-sync makes on a logical root (wait_captured) returns only
+    once the queue holds what was committed before it, asked right after such a commit."""
+    r = replica
+    with r.root.connect() as conn:
+        conn.execute("create table t (id int primary key, v text)")
+    r.run("root", "create-root", "root", "--capture=logical")
+    r.run("leaf", "create-leaf", "leaf1", "--provider", r.root.connstr)
+    r.run("root", "add-table", "t")
+    r.run("leaf", "add-table", "t", "--create")
+    r.start_ticker()
+    r.start_worker()
+    start_capture(r)
+    with r.root.connect() as conn:
+        conn.execute("set synchronous_commit = off")
+        for n in range(1, 9):
+            conn.execute(
+                "insert into t select g, repeat('x', 100) from generate_series(%s, %s) g",
+                (n * 100000, n * 100000 + 19999),
+            )
+            logical.wait_captured(conn, r.queue, 60)
+            queued = conn.execute(
+                "select count(*) from pgcascade.event where ev_extra1 = 'public.t' and ev_type = 'I'"
+            ).fetchone()[0]
+            assert queued == n * 20000, f"round {n}: {queued} rows in the queue"
+    r.wait_sync()
+    r.assert_equal("t")
 
 
 def test_events_equal_the_triggers_json_for_every_type(replica, make_db):

@@ -229,7 +229,9 @@ def capture_status(conn: psycopg.Connection, queue: str) -> tuple | None:
 
 def wait_captured(conn: psycopg.Connection, queue: str, timeout: float) -> None:
     """Wait until everything committed on the root before this call is in the queue."""
-    target = scalar(conn, "select pg_current_wal_lsn()")
+    # the insert position: an asynchronous commit may not be written yet, and its record
+    # lies beyond the write position (pg_current_wal_lsn) until the WAL writer gets to it
+    target = scalar(conn, "select pg_current_wal_insert_lsn()")
     deadline = time.monotonic() + timeout
     while True:
         done = conn.execute(
