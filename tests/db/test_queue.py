@@ -536,3 +536,27 @@ def test_the_ticker_ticks_for_a_transaction_open_at_its_last_tick_once_it_commit
         assert sorted(ev["ev_id"] for _, ev in consume_all(conn, Q, "c1")) == open_ids
         time.sleep(0.05)
         assert q.ticker(conn) == 0  # and once only
+
+
+def test_a_caught_up_fetch_reads_no_tick_table_scan_however_many_ticks_there_are(qdb):
+    """A caught-up consumer's fetch finds the newest tick by the primary key: with thousands of
+    ticks and their statistics, a generic plan once read every tick at every call."""
+    with qdb.connect() as conn:
+        conn.execute("select pgcascade.ticker(%s) from generate_series(1, 3000)", (Q,))
+        batch = conn.execute(
+            "select batch_id from pgcascade.next_batch_custom(%s, 'c1', 1000000, null)", (Q,)
+        )
+        conn.execute("select pgcascade.finish_batch(%s)", (batch.fetchone()[0],))
+        assert conn.execute("select count(*) from pgcascade.tick").fetchone()[0] > 3000
+        conn.execute("analyze pgcascade.tick")
+    with qdb.connect(autocommit=False) as conn:
+        for _ in range(12):  # past the 5 custom plans after which PL/pgSQL may keep a generic one
+            info = q.next_batch_events(
+                conn, Q, "c1", finish=None, max_events=None, max_tick=None, inline_events=100
+            )
+            assert info.batch_id is None
+            conn.commit()
+        scans = conn.execute(
+            "select seq_scan from pg_stat_xact_user_tables where relid = 'pgcascade.tick'::regclass"
+        ).fetchone()[0]
+        assert scans == 0

@@ -142,7 +142,10 @@ begin
                              order by o);
     end if;
     if s.sub_batch is null then
-        beyond := exists (select 1 from pgcascade.tick t where t.tick_queue = s.sub_queue and t.tick_id > s.sub_last_tick);
+        -- the newest tick, by the primary key from its end: an EXISTS over tick_id > x was planned
+        -- (generically, once the table had statistics) as a sequential scan that read every tick
+        beyond := coalesce((select max(t.tick_id) from pgcascade.tick t where t.tick_queue = s.sub_queue)
+                           > s.sub_last_tick, false);
         if not beyond and i_tick and (i_max_tick is null or i_max_tick > s.sub_last_tick)
            and not pgcascade.readers_behind(s) then
             made := pgcascade.tick_if_waiting(i_queue_name);
