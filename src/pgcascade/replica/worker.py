@@ -71,6 +71,7 @@ LISTEN_MIN, LISTEN_MAX = 0.002, 1.0
 # changes polls instead, for a doorbell ringing then made every commit notify, and the notifying
 # commits queue behind each other's WAL flushes (W1: 0.45 of no replication against 0.53)
 LISTEN_AFTER = 0.016
+PEER_IDLE_POLL = 1.0  # a caught-up peer's queue is asked at least this often without a tick
 
 
 def batch_cap(tables: list[subscriber.SubscriberTable], applied: int | None) -> int | None:
@@ -118,6 +119,10 @@ class Worker(Batches, Daemon):
         self.seqs: list[tuple[str, str]] = []  # followed sequences (name, here), read every watermark_period
         self.fresh: tuple[nodes.Node, list[subscriber.SubscriberTable]] | None = None
         self.delay = ApplyDelay()  # a delayed leaf (apply_delay)
+        # a master's peer worker: when its last fetch found nothing new, and whether the peer's
+        # queue has ticked since (work_peers asks the peer again only then, or PEER_IDLE_POLL later)
+        self.caught_up_at: float | None = None
+        self.peer_ticked = False
 
     def reload(self) -> None:
         self.copies.cfg = self.cfg
@@ -255,25 +260,49 @@ class Worker(Batches, Daemon):
                 return False
 
     def sleep_on_peers(self, seconds: float) -> None:
-        """A master: wait for the next tick of any peer's queue, at most `seconds`."""
-        conns = [w.prov for w in self.peer_workers.values() if w.prov is not None and not w.prov.closed]
+        """A master: wait for the next tick of any peer's queue, at most `seconds`; each peer
+        worker whose queue ticked is marked (peer_ticked)."""
+        ws = [w for w in self.peer_workers.values() if w.prov is not None and not w.prov.closed]
         try:
-            for c in conns:  # a tick that came in during the last round's statements
-                for _ in c.notifies(timeout=0, stop_after=1):
-                    return
+            if self.peers_ticked(ws):  # ticks that came in during the last round's statements
+                return
             with selectors.DefaultSelector() as sel:
-                for c in conns:
-                    sel.register(c.fileno(), selectors.EVENT_READ)
-                if conns:
+                for w in ws:
+                    assert w.prov is not None
+                    sel.register(w.prov.fileno(), selectors.EVENT_READ)
+                if ws:
                     sel.select(seconds)
+                    self.peers_ticked(ws)
                     return
         except psycopg.Error:
             self.drop_connections()
         time.sleep(seconds)
 
+    @staticmethod
+    def peers_ticked(ws: list[Worker]) -> bool:
+        """Mark the peer workers whose queue ticked (notified); whether any did."""
+        for w in ws:
+            w.peer_ticked = w.notified() or w.peer_ticked
+        return any(w.peer_ticked for w in ws)
+
+    def peer_is_idle(self) -> bool:
+        """A peer worker whose last fetch found nothing and whose queue has not ticked since:
+        asking again costs a round trip to the peer and three reads here, for nothing (two
+        masters at 200 tps each: twice as many empty fetches as batches).  Asked anyway every
+        PEER_IDLE_POLL (a notification lost with a connection)."""
+        if self.caught_up_at is None or time.monotonic() - self.caught_up_at >= PEER_IDLE_POLL:
+            return False
+        if self.prov is None or self.prov.closed:
+            return False
+        try:
+            return not (self.peer_ticked or self.notified())
+        except psycopg.Error:
+            return False
+
     # --- the loop ---
     def work(self) -> bool:
         fresh, self.fresh = self.fresh, None  # after a batch applied in one round trip
+        self.caught_up_at = None
         sub, prov, node = self.connect(fresh[0] if fresh else None)
         self.delay.check(self.cfg, sub, node)
         if prov is None:
@@ -334,6 +363,8 @@ class Worker(Batches, Daemon):
         self.seen_event_seq = (
             info.cur_tick_event_seq if info.batch_id is not None else info.prev_tick_event_seq
         )
+        if info.batch_id is None:
+            self.caught_up_at = time.monotonic()
         return info.batch_id is not None
 
     def work_peers(self, sub: psycopg.Connection) -> bool:
@@ -348,8 +379,9 @@ class Worker(Batches, Daemon):
             self.peer_workers[queue] = w
         busy = False
         for queue, w in self.peer_workers.items():
-            if time.monotonic() < w.retry_at:
+            if time.monotonic() < w.retry_at or w.peer_is_idle():
                 continue
+            w.peer_ticked = False
             try:
                 busy = w.work() or busy
                 w.backoff = 0.0
