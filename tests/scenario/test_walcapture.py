@@ -29,6 +29,16 @@ def start_capture(r) -> subprocess.Popen:
     return r.daemons.start(str(r.root_ini), "capture")
 
 
+def replicate_table_t(r) -> None:
+    """A table t (id, v) on a logical root, replicated to the leaf (created there by add-table)."""
+    with r.root.connect() as conn:
+        conn.execute("create table t (id int primary key, v text)")
+    r.run("root", "create-root", "root", "--capture=logical")
+    r.run("leaf", "create-leaf", "leaf1", "--provider", r.root.connstr)
+    r.run("root", "add-table", "t")
+    r.run("leaf", "add-table", "t", "--create")
+
+
 def queue_duplicates_and_count(r, table: str, key: str) -> tuple[list, int]:
     """Row events of `table` in the root's queue: keys inserted more than once, and how many."""
     with r.root.connect() as conn:
@@ -159,12 +169,7 @@ def test_wait_sync_waits_for_asynchronously_committed_transactions(replica):
     writer gets to it: the wait wait-sync makes on a logical root (wait_captured) returns only
     once the queue holds what was committed before it, asked right after such a commit."""
     r = replica
-    with r.root.connect() as conn:
-        conn.execute("create table t (id int primary key, v text)")
-    r.run("root", "create-root", "root", "--capture=logical")
-    r.run("leaf", "create-leaf", "leaf1", "--provider", r.root.connstr)
-    r.run("root", "add-table", "t")
-    r.run("leaf", "add-table", "t", "--create")
+    replicate_table_t(r)
     r.start_ticker()
     r.start_worker()
     start_capture(r)
@@ -255,12 +260,7 @@ def test_capture_killed_between_queue_commit_and_slot_advance(replica, point):
     """SIGKILL at the two points that matter: events written but not committed (they vanish
     and are read again), committed but the slot not advanced (read again, and skipped)."""
     r = replica
-    with r.root.connect() as conn:
-        conn.execute("create table t (id int primary key, v text)")
-    r.run("root", "create-root", "root", "--capture=logical")
-    r.run("leaf", "create-leaf", "leaf1", "--provider", r.root.connstr)
-    r.run("root", "add-table", "t")
-    r.run("leaf", "add-table", "t", "--create")
+    replicate_table_t(r)
     with r.root.connect() as conn:
         # 12,000 rows in one transaction (written in three chunks), all read in the first round
         conn.execute("set synchronous_commit = on")  # flushed: the daemon reads up to the flush
