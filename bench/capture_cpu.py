@@ -29,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from pgcascade.capture import logical
 from pgcascade.dev.localcluster import LocalCluster, new_cluster, pg_bindir
 
 PGBENCH = str(pg_bindir() / "pgbench")
@@ -103,22 +104,6 @@ def capture_backend_pids(c: LocalCluster, db: str) -> list[int]:
     return [r[0] for r in rows]
 
 
-def wait_captured(c: LocalCluster, db: str, timeout: float = 120) -> None:
-    """Until the capture daemon has taken every change up to the current WAL position."""
-    with c.connect(db) as conn:
-        target = conn.execute("select pg_current_wal_insert_lsn()").fetchone()[0]  # async commits too
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            row = conn.execute(
-                "select confirmed_flush_lsn >= %s::pg_lsn from pg_replication_slots where database = current_database()",
-                (target,),
-            ).fetchone()
-            if row and row[0]:
-                return
-            time.sleep(0.05)
-    raise RuntimeError("capture did not catch up")
-
-
 def backend_cpu_of_run(c: LocalCluster, db: str, txns: int) -> float:
     """Run pgbench and return the CPU seconds of its server backend (sampled every 10 ms until
     it exits: at most 10 ms short)."""
@@ -155,7 +140,8 @@ def run_round(c: LocalCluster, mode: str, txns: int, daemon: subprocess.Popen | 
     t0 = time.monotonic()
     cpu = backend_cpu_of_run(c, db, txns)
     if daemon:
-        wait_captured(c, db)
+        with c.connect(db) as conn:
+            logical.wait_captured(conn, "q", 120)  # the wait wait-sync makes
     wall = time.monotonic() - t0
     d1 = proc_times(dpid, False) if dpid else 0.0
     b1 = sum(proc_times(p, False) for p in bpids)

@@ -549,13 +549,12 @@ def test_a_caught_up_fetch_reads_no_tick_table_scan_however_many_ticks_there_are
         conn.execute("select pgcascade.finish_batch(%s)", (batch.fetchone()[0],))
         assert conn.execute("select count(*) from pgcascade.tick").fetchone()[0] > 3000
         conn.execute("analyze pgcascade.tick")
-    with qdb.connect(autocommit=False) as conn:
+    with qdb.connect(autocommit=False) as conn:  # one transaction: its own scans are counted
         for _ in range(12):  # past the 5 custom plans after which PL/pgSQL may keep a generic one
             info = q.next_batch_events(
                 conn, Q, "c1", finish=None, max_events=None, max_tick=None, inline_events=100
             )
             assert info.batch_id is None
-            conn.commit()
         scans = conn.execute(
             "select seq_scan from pg_stat_xact_user_tables where relid = 'pgcascade.tick'::regclass"
         ).fetchone()[0]
