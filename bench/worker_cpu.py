@@ -2,8 +2,8 @@
 """CPU the worker spends per batch at a steady write rate: its own process and its backend.
 
 Two throwaway clusters (root and leaf), pgbench scale 10 (`pgbench_history` with `hid bigserial
-primary key`) replicated with trigger capture; ticker_period 0.01 s and ticker_max_lag 20 ms
-(the replication bench's settings: ~45 batches a second).  `pgbench -n -c2 -j2 -R RATE -T
+primary key`) replicated with trigger capture, pgcascade's shipped defaults (as the replication bench runs
+it).  `pgbench -n -c2 -j2 -R RATE -T
 SECONDS` runs on the root; the worker's CPU and its subscriber backend's (`/proc/PID/stat`)
 over that time, divided by the batches it logged, are printed.  A diagnostic, with no peer:
 what a batch costs on top of its rows.
@@ -65,7 +65,7 @@ def main() -> int:
             p = base / f"{name}.ini"
             p.write_text(
                 f"[pgcascade]\njob_name = {name}\ndb = {db}\nqueue_name = q\n"
-                f"logfile = {base}/{name}.log\npidfile = {base}/{name}.pid\nloop_delay = 1.0\n"
+                f"logfile = {base}/{name}.log\npidfile = {base}/{name}.pid\n"
             )
             return str(p)
 
@@ -76,7 +76,7 @@ def main() -> int:
         ticker = base / "ticker.ini"
         ticker.write_text(
             f"[pgcascade]\njob_name = ticker\ndb = {root}\nlogfile = {base}/ticker.log\n"
-            f"pidfile = {base}/ticker.pid\nticker_period = 0.01\n"
+            f"pidfile = {base}/ticker.pid\n"
         )
         subprocess.run(
             [str(pg_bindir() / "pgbench"), "-i", "-q", "-s", "10", "-n", root],
@@ -95,8 +95,6 @@ def main() -> int:
             c.execute("\n".join(line for line in schema.splitlines() if not line.startswith("\\")))
         cli(root_ini, "create-root", "root")
         cli(leaf_ini, "create-leaf", "leaf", "--provider", root)
-        with a.connect("root") as c:
-            c.execute("select pgcascade.set_queue_config('q', 'ticker_max_lag', '20ms')")
         cli(root_ini, "add-table", "--all")
         cli(leaf_ini, "add-table", "--all", "--expect-sync")
         cli(root_ini, "add-seq", "--all")

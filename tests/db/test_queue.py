@@ -559,3 +559,50 @@ def test_a_caught_up_fetch_reads_no_tick_table_scan_however_many_ticks_there_are
             "select seq_scan from pg_stat_xact_user_tables where relid = 'pgcascade.tick'::regclass"
         ).fetchone()[0]
         assert scans == 0
+
+
+def tick_reads(conn: psycopg.Connection) -> tuple[int, int]:
+    """(sequential scans, rows fetched by index) of the tick table, every session's flushed."""
+    row = conn.execute(
+        "select seq_scan, idx_tup_fetch from pg_stat_user_tables where relid = 'pgcascade.tick'::regclass"
+    ).fetchone()
+    assert row is not None
+    return row
+
+
+def test_fetch_plans_made_while_the_tick_table_was_small_still_read_ticks_by_index(qdb):
+    """The ticker VACUUMs the tick table at its start, when it may hold a tick or two, and a
+    worker's session keeps the plans it made then: once thousands of ticks are there, its
+    fetches must still read a tick or two each, not the table (nor every tick by max())."""
+    with qdb.connect() as setup, qdb.connect() as worker:
+        setup.execute("alter table pgcascade.tick set (autovacuum_enabled = off)")  # no ANALYZE in between
+        setup.execute("vacuum pgcascade.tick")
+        batch = None
+
+        def fetch_a_new_event() -> None:
+            nonlocal batch
+            q.insert_event(setup, Q, "t", "d")
+            info = q.next_batch_events(
+                worker, Q, "c1", finish=batch, max_events=None, max_tick=None, inline_events=100
+            )
+            assert info.batch_id is not None and info.events is not None  # the fetch made its tick
+            batch = info.batch_id
+
+        for _ in range(8):  # the worker's plans: made now, and past PL/pgSQL's 5 custom ones
+            fetch_a_new_event()
+        setup.execute("select pgcascade.finish_batch(%s)", (batch,))
+        batch = None
+        setup.execute("select pgcascade.ticker(%s) from generate_series(1, 3000)", (Q,))
+        caught_up = setup.execute(
+            "select batch_id from pgcascade.next_batch_custom(%s, 'c1', 1000000, null)", (Q,)
+        ).fetchone()[0]
+        setup.execute("select pgcascade.finish_batch(%s)", (caught_up,))
+        for conn in (setup, worker):
+            conn.execute("select pg_stat_force_next_flush()")
+        scans_before, fetched_before = tick_reads(setup)
+        for _ in range(12):
+            fetch_a_new_event()
+        worker.execute("select pg_stat_force_next_flush()")
+        scans, fetched = tick_reads(setup)
+        assert scans == scans_before
+        assert fetched - fetched_before < 12 * 10  # (max() read all 3,000 at every fetch)

@@ -42,7 +42,7 @@ end $$;
 -- answers true: its consumer polls.
 create or replace function pgcascade.consumer_listens(i_queue_name text, i_wait_ms int8, i_seen_event_seq int8)
 returns bool
-language plpgsql as $$
+language plpgsql set enable_seqscan = off as $$
 declare
     q pgcascade.queue;
     bell regclass;

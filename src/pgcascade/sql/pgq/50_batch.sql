@@ -9,13 +9,16 @@ declare
     v_next int8;
     v_far int8;
 begin
-    select min(t.tick_id) into v_next from pgcascade.tick t
-     where t.tick_queue = s.sub_queue and t.tick_id > s.sub_last_tick;
+    -- ORDER BY ... LIMIT 1, not min()/max(): those plans do not depend on the statistics of
+    -- the moment (30_ticker.sql)
+    select t.tick_id into v_next from pgcascade.tick t
+     where t.tick_queue = s.sub_queue and t.tick_id > s.sub_last_tick order by t.tick_id limit 1;
     if v_next is not null and i_max_events is not null then
-        select max(t.tick_id) into v_far from pgcascade.tick t
+        select t.tick_id into v_far from pgcascade.tick t
          where t.tick_queue = s.sub_queue and t.tick_id > v_next
            and t.tick_id <= coalesce(i_max_tick, t.tick_id)
-           and t.tick_event_seq <= i_prev_event_seq + i_max_events;
+           and t.tick_event_seq <= i_prev_event_seq + i_max_events
+         order by t.tick_id desc limit 1;
         v_next := greatest(v_next, v_far);
     end if;
     return v_next;
@@ -34,7 +37,7 @@ create or replace function pgcascade.next_batch_custom(
     out batch_id int8, out cur_tick_id int8, out prev_tick_id int8,
     out cur_tick_time timestamptz, out prev_tick_time timestamptz,
     out cur_tick_event_seq int8, out prev_tick_event_seq int8)
-language plpgsql as $$
+language plpgsql set enable_seqscan = off as $$
 declare
     s pgcascade.subscription;
     v_next int8;

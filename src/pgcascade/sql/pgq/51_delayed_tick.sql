@@ -18,7 +18,8 @@ begin
     select t.tick_id, t.tick_time into v_young, v_young_time from pgcascade.tick t
      where t.tick_queue = q.queue_id and t.tick_id > i_after_tick and t.tick_time > now() - i_delay
      order by t.tick_id limit 1;
-    select max(t.tick_id) into tick_id from pgcascade.tick t
-     where t.tick_queue = q.queue_id and t.tick_id > i_after_tick and t.tick_id < coalesce(v_young, 9223372036854775807);
+    select t.tick_id into tick_id from pgcascade.tick t
+     where t.tick_queue = q.queue_id and t.tick_id > i_after_tick and t.tick_id < coalesce(v_young, 9223372036854775807)
+     order by t.tick_id desc limit 1;
     next_due := greatest(v_young_time + i_delay - now(), interval '0');
 end $$;

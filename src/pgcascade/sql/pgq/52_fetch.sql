@@ -114,7 +114,7 @@ create or replace function pgcascade.next_batch_events(
     out event_sql text, out events text, out row_counts json, out other_events int8, out seq_values int8[])
 -- generic plans: a custom plan of the events query (pruned to the queue's partitions at plan
 -- time) looks cheaper to the plan cache, which then plans it again at every call
-language plpgsql set plan_cache_mode = force_generic_plan as $$
+language plpgsql set plan_cache_mode = force_generic_plan set enable_seqscan = off as $$
 declare
     s pgcascade.subscription;
     finished bool := false;  -- i_finish_batch finished in s, not written yet
@@ -143,9 +143,10 @@ begin
     end if;
     if s.sub_batch is null then
         -- the newest tick, by the primary key from its end: an EXISTS over tick_id > x was planned
-        -- (generically, once the table had statistics) as a sequential scan that read every tick
-        beyond := coalesce((select max(t.tick_id) from pgcascade.tick t where t.tick_queue = s.sub_queue)
-                           > s.sub_last_tick, false);
+        -- (generically, once the table had statistics) as a sequential scan that read every tick,
+        -- and max() under a small table's statistics as an aggregate over every tick
+        beyond := coalesce((select t.tick_id from pgcascade.tick t where t.tick_queue = s.sub_queue
+                             order by t.tick_id desc limit 1) > s.sub_last_tick, false);
         if not beyond and i_tick and (i_max_tick is null or i_max_tick > s.sub_last_tick)
            and not pgcascade.readers_behind(s) then
             made := pgcascade.tick_if_waiting(i_queue_name);
@@ -233,7 +234,7 @@ end $$;
 -- commit group's events, so they wait for no ticker and its consumers are notified at commit.
 -- Nothing happens on a queue that is paused or takes its ticks from elsewhere.
 create or replace function pgcascade.tick_now(i_queue_name text) returns int8
-language plpgsql as $$
+language plpgsql set enable_seqscan = off as $$
 declare
     q pgcascade.queue;
 begin
