@@ -108,14 +108,15 @@ NODE_COLUMNS = (
 NODE_QUERY = f"select {NODE_COLUMNS} from pgcascade.node where queue_name = %s"
 
 
+def node_from(values: Sequence[Any]) -> Node:
+    """A node from the values of NODE_COLUMNS."""
+    queue, name, node_type, *rest = values
+    return Node(queue, name, NodeType(node_type), *rest)
+
+
 def node_rows(cursor: psycopg.Cursor) -> Callable[[Sequence[Any]], Node]:
     """The row factory of NODE_COLUMNS."""
-
-    def make(values: Sequence[Any]) -> Node:
-        queue, name, node_type, *rest = values
-        return Node(queue, name, NodeType(node_type), *rest)
-
-    return make
+    return node_from
 
 
 def get_node(conn: psycopg.Connection, queue_name: str) -> Node | None:

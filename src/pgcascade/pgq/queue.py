@@ -17,6 +17,7 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import class_row
 
+from pgcascade.core import roundtrip
 from pgcascade.core.pgconn import scalar
 
 TICK_CHANNEL = "pgcascade_tick"
@@ -154,12 +155,16 @@ def next_batch_events(
     """One round trip: finish batch `finish` (if still open), tick the queue if the consumer is
     caught up and committed events wait, open the next batch and return it - with its events
     inline when it holds at most `inline_events` events - and the values of `seqs`."""
-    with conn.cursor(row_factory=class_row(BatchInfo)) as cur:
-        row = cur.execute(
-            "select * from pgcascade.next_batch_events(%s, %s, %s, %s, %s, true, %s, %s)",
-            (queue, consumer, finish, max_events, max_tick, inline_events, seqs),
-        ).fetchone()
-    assert row is not None
+    # a worker's call at every batch: sent and read by libpq (core/roundtrip.py)
+    query = roundtrip.binder(conn).mogrify(
+        "select * from pgcascade.next_batch_events(%s, %s, %s, %s, %s, true, %s, %s)",
+        (queue, consumer, finish, max_events, max_tick, inline_events, seqs),
+    )
+    (result,) = roundtrip.send(conn, query.encode())
+    names = roundtrip.column_names(result)
+    (row,) = roundtrip.load_rows(
+        conn, result, lambda values: BatchInfo(**dict(zip(names, values, strict=True)))
+    )
     return row
 
 

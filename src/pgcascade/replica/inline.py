@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import psycopg
 
 from pgcascade.capture.pgoutput import lsn_int
+from pgcascade.core import roundtrip
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq.queue import BatchInfo
 from pgcascade.replica import applysql, prepared
@@ -85,14 +86,14 @@ def set_statement(sub: psycopg.Connection, a: TableApplier) -> bytes:
     if key not in _SET_STATEMENTS:
         if len(_SET_STATEMENTS) > 1000:  # composed again after DDL: old ones are dropped
             _SET_STATEMENTS.clear()
-        _SET_STATEMENTS[key] = prepared.binder(sub).mogrify(key[0], a.params(0, MAX_EV_ID, None)).encode()
+        _SET_STATEMENTS[key] = roundtrip.binder(sub).mogrify(key[0], a.params(0, MAX_EV_ID, None)).encode()
     return _SET_STATEMENTS[key]
 
 
 def read_statements(sub: psycopg.Connection, queue: str) -> list[bytes]:
     """The node's and its tables' reads after the commit, for the next round."""
     if queue not in _READS:
-        bind = prepared.binder(sub).mogrify
+        bind = roundtrip.binder(sub).mogrify
         _READS[queue] = [bind(q, (queue,)).encode() for q in (nodes.NODE_QUERY, subscriber.TABLES_QUERY)]
     return _READS[queue]
 
@@ -130,7 +131,7 @@ def apply_batch(
             todo.append(appliers[table])
         else:
             stats.ignored += n
-    bind = prepared.binder(sub).mogrify
+    bind = roundtrip.binder(sub).mogrify
     sets = [set_statement(sub, a) for a in todo]
     reads = read_statements(sub, queue)
     prepared.ensure(sub, sets + reads)
@@ -153,24 +154,19 @@ def apply_batch(
     ]
     try:
         # one message: one round trip (psycopg's pipeline mode took several wake-ups per batch)
-        cur = prepared.run(sub, statements)
+        *_, lsn, now, tables = prepared.run(sub, statements)
     except psycopg.Error as e:
         if e.sqlstate == "PCRES":
             raise NotAtRecord(int(e.diag.message_detail or 0)) from None
         if e.sqlstate == "PCMOV":
             raise Moved(str(e)) from None
         raise
-    for _ in range(len(statements) - 3):  # a result per statement: on to the three reads
-        cur.nextset()
-    lsn = cur.fetchone()
-    cur.nextset()
-    cur.row_factory = nodes.node_rows  # type: ignore[assignment]
-    now = cur.fetchone()
-    cur.nextset()
-    cur.row_factory = subscriber.table_rows  # type: ignore[assignment]
-    tables = cur.fetchall()
-    assert lsn is not None and now is not None
-    return Applied(stats, lsn[0], now, tables)  # type: ignore[arg-type]
+    return Applied(
+        stats,
+        lsn.get_value(0, 0).decode(),  # type: ignore[union-attr]
+        roundtrip.load_rows(sub, now, nodes.node_from)[0],
+        roundtrip.load_rows(sub, tables, subscriber.table_from),
+    )
 
 
 @dataclass

@@ -32,6 +32,7 @@ from datetime import datetime
 import psycopg
 from psycopg import sql
 
+from pgcascade.core import roundtrip
 from pgcascade.core.errors import RuntimeFailure, db_error_line
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
@@ -156,7 +157,7 @@ def apply_in_one(
         else:  # composed before the message: composing reads the catalog
             todo.append((table, peer_apply.inline_statement(sub, a, peer)))
     prepared.ensure(sub, [body for _t, pair in todo for body in pair])
-    bind = prepared.binder(sub).mogrify
+    bind = roundtrip.binder(sub).mogrify
     settings = [
         (peer_apply.SEEN_SETTING, as_json(e for e in events if e[2] == PEER_SEEN)),
         (peer_apply.CHANGES_SETTING, "on" if rows else "off"),
@@ -187,11 +188,9 @@ def apply_in_one(
         bind(subscriber_seqs.SEQS, (node.queue_name,)).encode(),
         b"commit",
     ]
-    cur = prepared.run(sub, statements)  # one message, as inline.py
-    results = []  # a result per statement: the apply statements' conflicts, and the sequences
-    for _ in statements:
-        results.append(cur.fetchall() if cur.description is not None else [])
-        cur.nextset()
+    # one message, as inline.py; a result per statement: the apply statements' conflicts, and
+    # the sequences
+    results = [roundtrip.load_rows(sub, r) for r in prepared.run(sub, statements)]
     stats.conflicts = sum(int(results[4 + 2 * i][0][0]) for i in range(len(todo)))
     if results[-2]:  # as a rule none: they only ever move up, so after the commit is as good
         subscriber_seqs.sync_sequences(prov, sub, node.queue_name)

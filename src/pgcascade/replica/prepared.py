@@ -28,6 +28,9 @@ import time
 import weakref
 
 import psycopg
+from psycopg.pq.abc import PGresult
+
+from pgcascade.core import roundtrip
 
 PLAN_SECONDS = 1.0
 
@@ -42,18 +45,6 @@ _PREPARED: weakref.WeakKeyDictionary[psycopg.Connection, dict[str, float]] = wea
 def name_of(body: bytes) -> str:
     """The statement's name: from its text, so a statement composed again after DDL is a new one."""
     return "pgcascade_" + hashlib.sha1(body).hexdigest()[:20]
-
-
-_BINDERS: weakref.WeakKeyDictionary[psycopg.Connection, psycopg.ClientCursor] = weakref.WeakKeyDictionary()
-
-
-def binder(conn: psycopg.Connection) -> psycopg.ClientCursor:
-    """A client-side cursor of `conn` to compose statements with literals (its mogrify): one per
-    connection, as making a cursor costs more than composing a small statement."""
-    cur = _BINDERS.get(conn)
-    if cur is None:
-        cur = _BINDERS[conn] = psycopg.ClientCursor(conn)
-    return cur
 
 
 def ensure(conn: psycopg.Connection, bodies: list[bytes]) -> None:
@@ -95,19 +86,16 @@ def forget(conn: psycopg.Connection) -> None:
             continue
 
 
-def run(conn: psycopg.Connection, statements: list[bytes]) -> psycopg.Cursor:
-    """Send `statements` as one message of the simple query protocol (one round trip; the
-    server stops at the first error) and return the cursor at the first result.  On an error
-    the transaction is rolled back, and this session's statements are forgotten if one of them
-    may be the cause."""
-    cur = conn.cursor()
+def run(conn: psycopg.Connection, statements: list[bytes]) -> list[PGresult]:
+    """Send `statements` as one message of the simple query protocol (one round trip, read by
+    libpq: core/roundtrip.py; the server stops at the first error) and return their results,
+    one per statement.  On an error the transaction is rolled back, and this session's
+    statements are forgotten if one of them may be the cause."""
     try:
-        # a new text each time, which psycopg's prepared-statement bookkeeping need not count
-        cur.execute(b";\n".join(statements), prepare=False)
+        return roundtrip.send(conn, b";\n".join(statements))
     except psycopg.Error as e:
-        if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        if not conn.closed and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
             conn.execute("rollback")
         if e.sqlstate in STALE:
             forget(conn)
         raise
-    return cur

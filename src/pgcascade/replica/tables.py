@@ -52,14 +52,15 @@ class SubscriberTable:
         return names if self.column_list is None else [c for c in names if c in self.column_list]
 
 
+def table_from(values: Sequence[Any]) -> SubscriberTable:
+    """A table from the values of TABLES_QUERY."""
+    name, dest, keys, state, *rest = values
+    return SubscriberTable(name, dest, keys, TableState.parse(state), *rest)
+
+
 def table_rows(cursor: psycopg.Cursor) -> Callable[[Sequence[Any]], SubscriberTable]:
     """The row factory of TABLES_QUERY."""
-
-    def make(values: Sequence[Any]) -> SubscriberTable:
-        name, dest, keys, state, *rest = values
-        return SubscriberTable(name, dest, keys, TableState.parse(state), *rest)
-
-    return make
+    return table_from
 
 
 # the worker sends it with a batch's statements too (replica/inline.py; rows: table_rows)

@@ -1,0 +1,73 @@
+"""The round trips a worker makes at every batch, sent and read by libpq itself.
+
+A worker that keeps up makes two round trips a batch: the fetch from its provider and the
+batch's one message to its subscriber (replica/inline.py).  psycopg's cursor does its result
+bookkeeping in Python (a result object, the row maker, the loaders looked up again per
+result), which was a third of the worker's CPU per batch at 500 tps.  Here a statement (or a
+message of several, with their values as literals) is sent with libpq's own loop - blocking,
+as PQexec - its results taken as libpq's objects, and only the rows wanted are loaded, by the
+loaders psycopg would use.  Errors are psycopg's own exceptions, built from the failed result,
+and notifications received meanwhile reach the connection as after any of its statements.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import psycopg
+from psycopg.adapt import Transformer
+from psycopg.pq import ConnStatus, ExecStatus
+from psycopg.pq.abc import PGresult
+
+_BINDERS: weakref.WeakKeyDictionary[psycopg.Connection, psycopg.ClientCursor] = weakref.WeakKeyDictionary()
+
+
+def binder(conn: psycopg.Connection) -> psycopg.ClientCursor:
+    """A client-side cursor of `conn` to compose statements with literals (its mogrify): one per
+    connection, as making a cursor costs more than composing a small statement."""
+    cur = _BINDERS.get(conn)
+    if cur is None:
+        cur = _BINDERS[conn] = psycopg.ClientCursor(conn)
+    return cur
+
+
+def send(conn: psycopg.Connection, message: bytes) -> list[PGresult]:
+    """Run `message` (statements with literal values, `;`-separated) in one round trip of the
+    simple query protocol; a result per statement.  The server stops at the first failure,
+    which raises here as psycopg would raise it; the transaction is left as the server left it."""
+    pg = conn.pgconn
+    pg.nonblocking = 0  # libpq sends the whole message and waits for each result itself
+    try:
+        pg.send_query(message)
+        results = list(iter(pg.get_result, None))
+    finally:
+        pg.nonblocking = 1
+    while (n := pg.notifies()) is not None:  # to the connection's backlog, as psycopg does
+        if pg.notify_handler is not None:
+            pg.notify_handler(n)
+    if pg.status != ConnStatus.OK:
+        reason = pg.error_message.decode(errors="replace").strip() or "no reason given"
+        raise psycopg.OperationalError(f"connection lost: {reason}")
+    failed = next((r for r in results if r.status == ExecStatus.FATAL_ERROR), None)
+    if failed is not None:
+        raise psycopg.errors.error_from_result(failed, encoding=conn.info.encoding)
+    return results
+
+
+def load_rows(
+    conn: psycopg.Connection,
+    result: PGresult,
+    make_row: Callable[[Sequence[Any]], Any] = tuple,
+) -> list:
+    """The rows of one of send()'s results, their values loaded as psycopg loads them, each
+    made by `make_row` from its values in column order."""
+    tx = Transformer(conn)
+    tx.set_pgresult(result)
+    return tx.load_rows(0, result.ntuples, make_row)
+
+
+def column_names(result: PGresult) -> list[str]:
+    """The result's column names, for a row maker by name."""
+    return [(result.fname(i) or b"").decode() for i in range(result.nfields)]
