@@ -658,6 +658,8 @@ def lag_run(s: System, pair: Pair, seconds: int, rate: int) -> dict:
     sent: list[tuple[datetime.datetime, float]] = []  # (value written, monotonic commit time)
     seen: list[tuple[datetime.datetime, float]] = []  # (value read, monotonic time)
     errors: list[BaseException] = []
+    beating = threading.Event()  # the heartbeat's last update is not in `sent` yet
+    beating.set()
 
     def heartbeat() -> None:
         try:
@@ -671,12 +673,16 @@ def lag_run(s: System, pair: Pair, seconds: int, rate: int) -> dict:
                     time.sleep(max(0.0, nxt - time.monotonic()))
         except BaseException as e:
             errors.append(e)
+        finally:
+            beating.clear()
 
     def poller() -> None:
         try:
             with pair.sconn() as conn:
                 last = None
-                while not stop.is_set() or (sent and (last is None or last < sent[-1][0])):
+                # on until the last update sent is seen (the heartbeat may be committing one
+                # when `stop` is set: it was lost to the poller's last look before)
+                while beating.is_set() or (sent and (last is None or last < sent[-1][0])):
                     v = conn.execute("select t from heartbeat where id = 1").fetchone()[0]
                     if v != last:
                         seen.append((v, time.monotonic()))
