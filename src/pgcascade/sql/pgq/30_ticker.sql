@@ -33,7 +33,7 @@ end $$;
 -- statistics of that moment: the tick table is small when a queue is new or idle (the ticker
 -- VACUUMs it at its start, with one tick in it) and holds a thousand ticks a few seconds after
 -- load begins. A plan made for one tick reads the table whole at each lookup (a fresh pair at
--- 500 tps: ~4 scans of ~640 ticks a fetch until autovacuum's ANALYZE, about a minute later,
+-- 500 tps: ~5 scans of ~640 ticks a fetch until autovacuum's ANALYZE, about a minute later,
 -- made the plans again). Every lookup there has an index; small tables lose nothing by it.
 
 -- pgcascade.make_tick(queue_id, tick_id, tick_time, event_seq) -> tick_id.
