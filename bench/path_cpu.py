@@ -95,7 +95,7 @@ class Writers:
     seen of each), so that it can be told apart from the provider's other processes."""
 
     def __init__(self, c: rb.LocalCluster, dbname: str):
-        self.conninfo, self.dbname = c.connstr(dbname), dbname
+        self.conninfo = c.connstr(dbname)
         self.seen: dict[int, float] = {}
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.sample, daemon=True)

@@ -2,10 +2,10 @@
 """CPU the worker spends per batch at a steady write rate: its own process and its backend.
 
 Two throwaway clusters (root and leaf), pgbench scale 10 (`pgbench_history` with `hid bigserial
-primary key`) replicated with trigger capture, pgcascade's shipped defaults (as the replication bench runs
-it).  `pgbench -n -c2 -j2 -R RATE -T
-SECONDS` runs on the root; the worker's CPU and its subscriber backend's (`/proc/PID/stat`)
-over that time, divided by the batches it logged, are printed.  A diagnostic, with no peer:
+primary key`) replicated with trigger capture and pgcascade's shipped defaults (as the replication
+bench runs it).  `pgbench -n -c2 -j2 -R RATE -T SECONDS` runs on the root; the worker's CPU and its
+subscriber backend's (`/proc/PID/stat`) over that time, divided by the batches it logged, are
+printed.  A diagnostic, with no peer:
 what a batch costs on top of its rows.
 
     .venv/bin/python bench/worker_cpu.py [--rate 500] [--seconds 15] [--profile]
