@@ -158,6 +158,7 @@ class TableApplier:
     set_based: bool
     set_sql: bytes | None = field(default=None, repr=False)  # composed once: composing costs ~1 ms
     inline_sql: bytes | None = field(default=None, repr=False)  # the same over a batch's JSON (inline.py)
+    one_kind: dict[str, bytes] = field(default_factory=dict, repr=False)  # by kind: applysql.one_kind_sql
     event_format: str = "json"
     dest_names: frozenset[str] = frozenset()  # every column of dest when cols was computed
     json_nulls: bool = False  # dest has json/jsonb columns: read events with pgcascade.event_row
@@ -190,6 +191,7 @@ class TableApplier:
         self.set_based = self.event_format == "json" and (on_conflict or self.unique_at_provider)
         self.json_nulls = catalog.has_json_columns(sub, self.dest)
         self.set_sql = self.inline_sql = None
+        self.one_kind = {}
         self.peer_sql = {}
         if self.set_based:
             identity = any(c.identity for c in dest_cols if c.name in self.cols)
@@ -198,6 +200,9 @@ class TableApplier:
             )
             self.set_sql = applysql.set_based_sql(shape).as_bytes(sub)
             self.inline_sql = applysql.set_based_sql(shape, applysql.INLINE_EVENTS).as_bytes(sub)
+            for kind in applysql.ONE_KIND:
+                if (one := applysql.one_kind_sql(shape, kind)) is not None:
+                    self.one_kind[kind] = one.as_bytes(sub)
 
     def after_ddl(self, sub: psycopg.Connection) -> None:
         """A script from the queue ran here as on the provider: a column it added exists on both

@@ -155,3 +155,50 @@ def set_based_sql(s: Shape, source: sql.Composable = STAGE) -> sql.Composed:
             )
         )
     return sql.SQL("with {ctes} {main}").format(ctes=sql.SQL(", ").join(ctes), main=main)
+
+
+# the kinds of row event a statement of one_kind_sql applies
+ONE_KIND = ("I", "U", "D")
+
+
+def one_kind_sql(s: Shape, kind: str) -> sql.Composed | None:
+    """The statement of a table whose events in a small batch are all of one `kind` (I, U or
+    D), one per key, over their rows as one JSON array (parameter $1; $2: how many) -
+    none of set_based_sql's reduction per key, staging or fallbacks, which cost a small batch
+    more than its writes (docs/design.md).  An upsert for I (as set_based_sql's), a delete for
+    D, and for U an update that must find every key once: pgcascade.expect_rows raises PCROW
+    otherwise (a row missing here, a key twice by the type's equality) and the batch is applied
+    with set_based_sql.  None where the table needs more: no unique index here, a row filter,
+    JSON columns (their nulls), an update with nothing but the key."""
+    non_keys = [c for c in s.cols if c not in s.keys]
+    if not s.on_conflict or s.row_filter is not None or s.json_nulls or (kind == "U" and not non_keys):
+        return None
+    dest = sql.SQL(s.dest)
+    # LIMIT tells the planner how many rows (a set-returning function counts as 100): a join of
+    # 100 rows planned against a table of some thousands is a hash join over a scan of it
+    rows = sql.SQL("(select * from json_populate_recordset(null::{}, $1::json) limit $2) r").format(dest)
+    match = sql.SQL(" and ").join(sql.SQL("t.{0} = r.{0}").format(sql.Identifier(k)) for k in s.keys)
+    if kind == "D":
+        return sql.SQL("delete from {} t using {} where {}").format(dest, rows, match)
+    if kind == "U":
+        sets = sql.SQL(", ").join(sql.SQL("{0} = r.{0}").format(sql.Identifier(c)) for c in non_keys)
+        return sql.SQL(
+            "with upd as (update {} t set {} from {} where {} returning 1)"
+            " select pgcascade.expect_rows(count(*), $2) from upd"
+        ).format(dest, sets, rows, match)
+    upsert = (
+        sql.SQL("do update set {}").format(
+            sql.SQL(", ").join(sql.SQL("{0} = excluded.{0}").format(sql.Identifier(c)) for c in non_keys)
+        )
+        if non_keys
+        else sql.SQL("do nothing")
+    )
+    return sql.SQL("insert into {} ({}){} select {} from {} on conflict ({}) {}").format(
+        dest,
+        sql.SQL(", ").join(map(sql.Identifier, s.cols)),
+        sql.SQL(" overriding system value" if s.identity else ""),
+        sql.SQL(", ").join(sql.SQL("r.{}").format(sql.Identifier(c)) for c in s.cols),
+        rows,
+        sql.SQL(", ").join(map(sql.Identifier, s.keys)),
+        upsert,
+    )

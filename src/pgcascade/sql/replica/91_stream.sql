@@ -31,3 +31,16 @@ begin
     update pgcascade.node set last_tick = i_cur_tick, last_error = null, last_error_time = null
      where queue_name = i_queue_name;
 end $$;
+
+-- pgcascade.expect_rows(n, expected) -> true: checks the row count of a statement shaped for a
+-- small batch (replica/applysql.py, one_kind_sql), which holds only if every key it updates is
+-- here and once in its rows:
+--   SQLSTATE PCROW: it wrote `n` rows, not `expected`; the batch is applied again the general way
+create or replace function pgcascade.expect_rows(n int8, expected int8) returns bool
+language plpgsql as $$
+begin
+    if n <> expected then
+        raise exception 'the statement wrote % rows, not %', n, expected using errcode = 'PCROW';
+    end if;
+    return true;
+end $$;
