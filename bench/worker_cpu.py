@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """CPU the worker spends per batch at a steady write rate: its own process and its backend.
 
-Two throwaway clusters (root and leaf), pgbench scale 10 (`pgbench_history` with `hid bigserial
+Two throwaway clusters (root and leaf), pgbench scale 10 on both (`pgbench_history` with `hid bigserial
 primary key`) replicated with trigger capture and pgcascade's shipped defaults (as the replication
 bench runs it).  `pgbench -n -c2 -j2 -R RATE -T SECONDS` runs on the root; the worker's CPU and its
 subscriber backend's (`/proc/PID/stat`) over that time, divided by the batches it logged, are
@@ -85,14 +85,15 @@ def main() -> int:
         )
         with a.connect("root") as c:
             c.execute("alter table pgbench_history add column hid bigserial primary key")
-        schema = subprocess.run(
-            [str(pg_bindir() / "pg_dump"), "-s", "-t", "pgbench_*", root],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout
-        with b.connect("leaf") as c:
-            c.execute("\n".join(line for line in schema.splitlines() if not line.startswith("\\")))
+        # the leaf holds the rows too (--expect-sync below): updates find their rows, as in use
+        dump = subprocess.Popen(
+            [str(pg_bindir() / "pg_dump"), "-t", "pgbench_*", root], stdout=subprocess.PIPE
+        )
+        subprocess.run(
+            [str(pg_bindir() / "psql"), "-q", "-X", leaf], stdin=dump.stdout, check=True, capture_output=True
+        )
+        if dump.wait() != 0:
+            raise SystemExit("pg_dump of the root's pgbench tables failed")
         cli(root_ini, "create-root", "root")
         cli(leaf_ini, "create-leaf", "leaf", "--provider", root)
         cli(root_ini, "add-table", "--all")

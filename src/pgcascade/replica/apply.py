@@ -159,6 +159,7 @@ class TableApplier:
     set_sql: bytes | None = field(default=None, repr=False)  # composed once: composing costs ~1 ms
     inline_sql: bytes | None = field(default=None, repr=False)  # the same over a batch's JSON (inline.py)
     one_kind: dict[str, bytes] = field(default_factory=dict, repr=False)  # by kind: applysql.one_kind_sql
+    one_kind_after: float = 0.0  # not before this time.monotonic(): its last one failed (inline.py)
     event_format: str = "json"
     dest_names: frozenset[str] = frozenset()  # every column of dest when cols was computed
     json_nulls: bool = False  # dest has json/jsonb columns: read events with pgcascade.event_row

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -60,8 +61,11 @@ log = logging.getLogger("pgcascade.replay")
 # of one kind is applied by its one_kind_sql statement (applysql.py); a larger one is not read
 ONE_KIND_MAX = 200
 # the errors of a one-kind statement whose precondition did not hold (a row missing here, a key
-# twice): the batch is applied again with the set-based statements
+# twice): the batch is applied again with the set-based statements, and its tables' next
+# batches too for ONE_KIND_PAUSE seconds (a node that lacks rows would otherwise pay two round
+# trips a batch)
 ONE_KIND_FAILED = frozenset({"PCROW", "21000"})
+ONE_KIND_PAUSE = 60.0
 # the set-based statement of a table over the batch's events, by its composed SQL and table
 _SET_STATEMENTS: dict[tuple[bytes, str], bytes] = {}
 # the node's and its tables' reads after the commit, by queue
@@ -121,19 +125,23 @@ def one_kind_statements(
     by_table: dict[str, list[list]] = {}
     for e in json.loads(events):  # [ev_id, ev_txid, ev_type, ev_data, ev_extra1, ...], by ev_id
         by_table.setdefault(e[4], []).append(e)
-    bind = roundtrip.binder(sub).mogrify
+    quote = psycopg.pq.Escaping(sub.pgconn).escape_literal  # libpq's: mogrify costs more than it
     out = {}
+    now = time.monotonic()
     for a in todo:
+        if a.one_kind_after > now:
+            continue
         evs = by_table.get(a.table, [])
         kinds = {e[2] for e in evs}
         body = a.one_kind.get(kinds.pop()) if len(kinds) == 1 else None
-        rows = [e[3] for e in evs]
-        if body is None or None in rows:
+        datas = [e[3] for e in evs]
+        if body is None or None in datas:
             continue
-        if evs[0][2] == "U" and (rows := last_per_key(rows, a.keys)) is None:
+        rows = last_per_key(datas, a.keys) if evs[0][2] == "U" else datas
+        if rows is None:
             continue
-        args = bind("%s, %s", ("[" + ",".join(rows) + "]", len(rows)))
-        out[a.table] = (body, prepared.execute(body, args.encode()))
+        args = b"%s, %d" % (quote(("[" + ",".join(rows) + "]").encode()), len(rows))
+        out[a.table] = (body, prepared.execute(body, args))
     return out
 
 
@@ -187,6 +195,9 @@ def apply_batch(
             log.info(
                 "batch %s: %s; applying it with the set-based statements", info.batch_id, db_error_line(e)
             )
+            for t in info.row_counts:
+                if t in appliers:
+                    appliers[t].one_kind_after = time.monotonic() + ONE_KIND_PAUSE
     return apply_message(sub, queue, node, info, appliers, seqs, durable, one_kind=False)
 
 
