@@ -163,13 +163,13 @@ ONE_KIND = ("I", "U", "D")
 
 def one_kind_sql(s: Shape, kind: str) -> sql.Composed | None:
     """The statement of a table whose events in a small batch are all of one `kind` (I, U or
-    D), one per key, over their rows as one JSON array (parameter $1; $2: how many) -
-    none of set_based_sql's reduction per key, staging or fallbacks, which cost a small batch
-    more than its writes (docs/design.md).  An upsert for I (as set_based_sql's), a delete for
-    D, and for U an update that must find every key once: pgcascade.expect_rows raises PCROW
-    otherwise (a row missing here, a key twice by the type's equality) and the batch is applied
-    with set_based_sql.  None where the table needs more: no unique index here, a row filter,
-    JSON columns (their nulls), an update with nothing but the key."""
+    D), over their rows as one JSON array in event order (parameter $1; $2: how many) - none of
+    set_based_sql's staging, choice of write by each key's last event or fallbacks, which cost a
+    small batch more than its writes (docs/design.md).  An upsert for I (as set_based_sql's;
+    a key inserted twice is an error), a delete for D, and for U an update by each key's last
+    row that must find every key: pgcascade.expect_rows raises PCROW otherwise (a row missing
+    here) and the batch is applied with set_based_sql.  None where the table needs more: no
+    unique index here, a row filter, JSON columns (their nulls), an update of the key alone."""
     non_keys = [c for c in s.cols if c not in s.keys]
     if not s.on_conflict or s.row_filter is not None or s.json_nulls or (kind == "U" and not non_keys):
         return None
@@ -180,12 +180,15 @@ def one_kind_sql(s: Shape, kind: str) -> sql.Composed | None:
     match = sql.SQL(" and ").join(sql.SQL("t.{0} = r.{0}").format(sql.Identifier(k)) for k in s.keys)
     if kind == "D":
         return sql.SQL("delete from {} t using {} where {}").format(dest, rows, match)
-    if kind == "U":
+    if kind == "U":  # a key updated twice in the batch: by its last row
         sets = sql.SQL(", ").join(sql.SQL("{0} = r.{0}").format(sql.Identifier(c)) for c in non_keys)
+        keys = sql.SQL(", ").join(map(sql.Identifier, s.keys))
         return sql.SQL(
-            "with upd as (update {} t set {} from {} where {} returning 1)"
-            " select pgcascade.expect_rows(count(*), $2) from upd"
-        ).format(dest, sets, rows, match)
+            "with r as (select distinct on ({keys}) * from json_populate_recordset(null::{dest}, $1::json)"
+            " with ordinality order by {keys}, ordinality desc limit $2),"
+            " upd as (update {dest} t set {sets} from r where {match} returning 1)"
+            " select pgcascade.expect_rows(count(*), (select count(*) from r)) from upd"
+        ).format(keys=keys, dest=dest, sets=sets, match=match)
     upsert = (
         sql.SQL("do update set {}").format(
             sql.SQL(", ").join(sql.SQL("{0} = excluded.{0}").format(sql.Identifier(c)) for c in non_keys)

@@ -119,9 +119,8 @@ def read_statements(sub: psycopg.Connection, queue: str) -> list[bytes]:
 def one_kind_statements(
     sub: psycopg.Connection, events: str, todo: list[TableApplier]
 ) -> dict[str, tuple[bytes, bytes]]:
-    """The one-kind statement and its EXECUTE (its rows as a JSON array; a key updated twice,
-    by its last update) of each table in `todo` whose events in this batch are all of one
-    kind, by table."""
+    """The one-kind statement and its EXECUTE (its rows as a JSON array) of each table in
+    `todo` whose events in this batch are all of one kind, by table."""
     by_table: dict[str, list[list]] = {}
     for e in json.loads(events):  # [ev_id, ev_txid, ev_type, ev_data, ev_extra1, ...], by ev_id
         by_table.setdefault(e[4], []).append(e)
@@ -134,31 +133,12 @@ def one_kind_statements(
         evs = by_table.get(a.table, [])
         kinds = {e[2] for e in evs}
         body = a.one_kind.get(kinds.pop()) if len(kinds) == 1 else None
-        datas = [e[3] for e in evs]
-        if body is None or None in datas:
-            continue
-        rows = last_per_key(datas, a.keys) if evs[0][2] == "U" else datas
-        if rows is None:
+        rows = [e[3] for e in evs]
+        if body is None or None in rows:
             continue
         args = b"%s, %d" % (quote(("[" + ",".join(rows) + "]").encode()), len(rows))
         out[a.table] = (body, prepared.execute(body, args))
     return out
-
-
-def last_per_key(rows: list[str], keys: list[str]) -> list[str] | None:
-    """The last of `rows` (JSON objects, in event order) for each key; None if a key's value
-    is not a JSON scalar."""
-    if len(rows) == 1:
-        return rows
-    last: dict[tuple, str] = {}
-    for text in rows:
-        row = json.loads(text)
-        key = tuple(row.get(k) for k in keys)
-        try:
-            last[key] = text
-        except TypeError:  # an array or object: compared by the server's equality only
-            return None
-    return list(last.values())
 
 
 @dataclass
