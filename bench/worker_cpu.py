@@ -146,7 +146,7 @@ def main() -> int:
         if args.profile:
             import pstats
 
-            pstats.Stats(str(prof)).sort_stats("tottime").print_stats(30)
+            pstats.Stats(str(prof)).sort_stats(os.environ.get("SORT", "tottime")).print_stats(int(os.environ.get("TOP", "30")))
         return 0
     finally:
         for p in procs:

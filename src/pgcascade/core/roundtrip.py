@@ -24,6 +24,26 @@ from psycopg.pq.abc import PGresult
 _BINDERS: weakref.WeakKeyDictionary[psycopg.Connection, psycopg.ClientCursor] = weakref.WeakKeyDictionary()
 
 
+def compose(conn: psycopg.Connection, query: str, values: Sequence[object]) -> bytes:
+    """`query` with its %s placeholders replaced by `values` as SQL literals: str, int, bool
+    and None quoted here and by libpq, anything else by psycopg's mogrify (whose Python
+    machinery cost ~0.2 ms of a loaded worker's batch for its four statements)."""
+    escape, encoding = psycopg.pq.Escaping(conn.pgconn).escape_literal, conn.info.encoding
+    literals: list[bytes] = []
+    for v in values:
+        if v is None:
+            literals.append(b"NULL")
+        elif isinstance(v, bool):
+            literals.append(b"true" if v else b"false")
+        elif isinstance(v, int):
+            literals.append(b"%d" % v)
+        elif isinstance(v, str):
+            literals.append(escape(v.encode(encoding)))
+        else:
+            literals.append(binder(conn).mogrify("%s", (v,)).encode(encoding))
+    return query.encode() % tuple(literals)
+
+
 def binder(conn: psycopg.Connection) -> psycopg.ClientCursor:
     """A client-side cursor of `conn` to compose statements with literals (its mogrify): one per
     connection, as making a cursor costs more than composing a small statement."""

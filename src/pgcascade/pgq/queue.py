@@ -156,11 +156,12 @@ def next_batch_events(
     caught up and committed events wait, open the next batch and return it - with its events
     inline when it holds at most `inline_events` events - and the values of `seqs`."""
     # a worker's call at every batch: sent and read by libpq (core/roundtrip.py)
-    query = roundtrip.binder(conn).mogrify(
+    query = roundtrip.compose(
+        conn,
         "select * from pgcascade.next_batch_events(%s, %s, %s, %s, %s, true, %s, %s)",
         (queue, consumer, finish, max_events, max_tick, inline_events, seqs),
     )
-    (result,) = roundtrip.send(conn, query.encode())
+    (result,) = roundtrip.send(conn, query)
     names = roundtrip.column_names(result)
     (row,) = roundtrip.load_rows(
         conn, result, lambda values: BatchInfo(**dict(zip(names, values, strict=True)))

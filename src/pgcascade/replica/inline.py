@@ -24,6 +24,7 @@ general path resolves row by row).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -124,7 +125,7 @@ def one_kind_statements(
     by_table: dict[str, list[list]] = {}
     for e in json.loads(events):  # [ev_id, ev_txid, ev_type, ev_data, ev_extra1, ...], by ev_id
         by_table.setdefault(e[4], []).append(e)
-    quote = psycopg.pq.Escaping(sub.pgconn).escape_literal  # libpq's: mogrify costs more than it
+    quote = psycopg.pq.Escaping(sub.pgconn).escape_literal
     out = {}
     now = time.monotonic()
     for a in todo:
@@ -203,7 +204,7 @@ def apply_message(
             todo.append(appliers[table])
         else:
             stats.ignored += n
-    bind = roundtrip.binder(sub).mogrify
+    bind = functools.partial(roundtrip.compose, sub)
     ones = one_kind_statements(sub, info.events, todo) if one_kind else {}
     sets = [set_statement(sub, a) for a in todo if a.table not in ones]
     reads = read_statements(sub, queue)
@@ -212,14 +213,14 @@ def apply_message(
     statements = [
         b"begin",
         # the batch's events for the set-based statements only (none: an empty array)
-        bind(SETTINGS, ("on" if durable else "off", info.events if sets else "[]")).encode(),
+        bind(SETTINGS, ("on" if durable else "off", info.events if sets else "[]")),
         bind(
             "select pgcascade.apply_begin(%s, %s, %s, %s, %s)",
             (queue, info.prev_tick_id, info.cur_tick_id, node.provider_node, node.node_type.value),
-        ).encode(),
+        ),
         *applies,
         *(
-            bind(subscriber_seqs.SETVAL, (v, queue, dest, v)).encode()
+            bind(subscriber_seqs.SETVAL, (v, queue, dest, v))
             for (_seq, dest), v in zip(seqs, info.seq_values or [], strict=False)
             if v is not None
         ),
