@@ -8,9 +8,10 @@ subscriber backend's (`/proc/PID/stat`) over that time, divided by the batches i
 printed.  A diagnostic, with no peer:
 what a batch costs on top of its rows.
 
-    .venv/bin/python bench/worker_cpu.py [--rate 500] [--seconds 15] [--profile]
+    .venv/bin/python bench/worker_cpu.py [--rate 500] [--seconds 15] [--profile [--sort cumulative]]
 
-`--profile` runs the worker under cProfile with a CPU-time clock and prints the top functions.
+`--profile` runs the worker under cProfile with a CPU-time clock and prints the top functions
+(by their own time, or by `--sort`: any of pstats' keys).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def main() -> int:
     ap.add_argument("--rate", type=int, default=500, help="pgbench transactions per second")
     ap.add_argument("--seconds", type=int, default=15)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--sort", default="tottime", help="the profile's order (pstats' keys)")
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="pgcascade-worker-cpu-"))
     os.chmod(base, 0o777)  # the clusters run as postgres when we are root
@@ -146,7 +148,7 @@ def main() -> int:
         if args.profile:
             import pstats
 
-            pstats.Stats(str(prof)).sort_stats(os.environ.get("SORT", "tottime")).print_stats(int(os.environ.get("TOP", "30")))
+            pstats.Stats(str(prof)).sort_stats(args.sort).print_stats(40)
         return 0
     finally:
         for p in procs:

@@ -247,7 +247,9 @@ class Worker(Batches, Daemon):
         assert self.prov is not None
         me, deadline = self.prov.info.backend_pid, time.monotonic() + timeout
         while True:
-            left = max(0.0, deadline - time.monotonic())
+            # in whole milliseconds: psycopg polls with a timeout in whole milliseconds, so a
+            # fraction of one left made it (and this loop) spin on polls of 0 ms until the deadline
+            left = max(0, int((deadline - time.monotonic()) * 1000)) / 1000
             got = [
                 n
                 for n in self.prov.notifies(timeout=left, stop_after=1)
