@@ -32,9 +32,9 @@ begin
      where queue_name = i_queue_name;
 end $$;
 
--- pgcascade.expect_rows(n, expected) -> true: checks the row count of a statement shaped for a
+-- pgcascade.expect_rows(n, expected) -> true: checks the row count of an update shaped for a
 -- small batch (replica/applysql.py, one_kind_sql), which holds only if every key it updates is
--- here and once in its rows:
+-- here:
 --   SQLSTATE PCROW: it wrote `n` rows, not `expected`; the batch is applied again the general way
 create or replace function pgcascade.expect_rows(n int8, expected int8) returns bool
 language plpgsql as $$
