@@ -5,9 +5,10 @@ batch's one message to its subscriber (replica/inline.py).  psycopg's cursor doe
 bookkeeping in Python (a result object, the row maker, the loaders looked up again per
 result): about 0.2 ms of the worker's 2.1 ms of CPU per batch at 500 tps, the subscriber's
 message holding ~14 statements.  Here a statement (or a message of several, with their values
-as literals) is sent with libpq's own loop - blocking, as PQexec - its results taken as libpq's
-objects, and only the rows wanted are loaded, by the loaders psycopg would use.  Errors are psycopg's own exceptions, built from the failed result,
-and notifications received meanwhile reach the connection as after any of its statements.
+as literals, composed by `compose`) is sent with libpq's own loop - blocking, as PQexec - its
+results taken as libpq's objects, and only the rows wanted are loaded, by the loaders psycopg
+would use.  Errors are psycopg's own exceptions, built from the failed result, and
+notifications received meanwhile reach the connection as after any of its statements.
 """
 
 from __future__ import annotations

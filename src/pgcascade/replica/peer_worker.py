@@ -22,6 +22,7 @@ look-up, one pipeline of the tables' statements, one of the bookkeeping, and COM
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections import Counter
@@ -157,7 +158,7 @@ def apply_in_one(
         else:  # composed before the message: composing reads the catalog
             todo.append((table, peer_apply.inline_statement(sub, a, peer)))
     prepared.ensure(sub, [body for _t, pair in todo for body in pair])
-    bind = roundtrip.binder(sub).mogrify
+    bind = functools.partial(roundtrip.compose, sub)
     settings = [
         (peer_apply.SEEN_SETTING, as_json(e for e in events if e[2] == PEER_SEEN)),
         (peer_apply.CHANGES_SETTING, "on" if rows else "off"),
@@ -171,21 +172,19 @@ def apply_in_one(
     ]
     statements = [
         b"begin",
-        bind(
-            SETTINGS + ", set_config(%s, %s, true)" * len(settings), [v for pair in settings for v in pair]
-        ).encode(),
+        bind(SETTINGS + ", set_config(%s, %s, true)" * len(settings), [v for pair in settings for v in pair]),
         bind(
             "select pgcascade.peer_batch_begin(%s, %s, %s, %s, %s)",
             (node.peer_of, node.queue_name, node.provider_node, info.prev_tick_id, state.policies_hash),
-        ).encode(),
+        ),
         *(
             s
             for _t, (lock, stmt) in todo
             for s in (prepared.execute(lock), prepared.execute(stmt, str(info.cur_tick_id).encode()))
         ),
-        bind(BATCH_DONE, (peer.own_queue, node.queue_name, peer.peer, info.cur_tick_id, snapshot)).encode(),
-        bind(nodes.RECORD_APPLIED, (info.cur_tick_id, node.queue_name)).encode(),
-        bind(subscriber_seqs.SEQS, (node.queue_name,)).encode(),
+        bind(BATCH_DONE, (peer.own_queue, node.queue_name, peer.peer, info.cur_tick_id, snapshot)),
+        bind(nodes.RECORD_APPLIED, (info.cur_tick_id, node.queue_name)),
+        bind(subscriber_seqs.SEQS, (node.queue_name,)),
         b"commit",
     ]
     # one message, as inline.py; a result per statement: the apply statements' conflicts, and
