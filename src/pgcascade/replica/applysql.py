@@ -174,8 +174,9 @@ def one_kind_sql(s: Shape, kind: str) -> sql.Composed | None:
     if not s.on_conflict or s.row_filter is not None or s.json_nulls or (kind == "U" and not non_keys):
         return None
     dest = sql.SQL(s.dest)
-    # LIMIT tells the planner how many rows (a set-returning function counts as 100): a join of
-    # 100 rows planned against a table of some thousands is a hash join over a scan of it
+    # LIMIT tells the planner the rows are few (a set-returning function counts as 100, a LIMIT
+    # of a parameter as a tenth of that in the generic plan the worker asks for): a join of 100
+    # rows planned against a table of some thousands is a hash join over a scan of it
     rows = sql.SQL("(select * from json_populate_recordset(null::{}, $1::json) limit $2) r").format(dest)
     match = sql.SQL(" and ").join(sql.SQL("t.{0} = r.{0}").format(sql.Identifier(k)) for k in s.keys)
     if kind == "D":

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import selectors
 import time
 
@@ -247,19 +248,15 @@ class Worker(Batches, Daemon):
         assert self.prov is not None
         me, deadline = self.prov.info.backend_pid, time.monotonic() + timeout
         while True:
-            # in whole milliseconds: psycopg polls with a timeout in whole milliseconds, so a
-            # fraction of one left made it (and this loop) spin on polls of 0 ms until the deadline
-            left = max(0, int((deadline - time.monotonic()) * 1000)) / 1000
-            got = [
-                n
-                for n in self.prov.notifies(timeout=left, stop_after=1)
-                if n.pid != me and n.payload == self.queue
-            ]
-            if got:
-                list(self.prov.notifies(timeout=0))  # the ones that came with it
+            if any(n.pid != me and n.payload == self.queue for n in self.prov.notifies(timeout=0)):
                 return True
+            left = deadline - time.monotonic()
             if left <= 0:
                 return False
+            # the wait itself on the socket: psycopg's notifies(timeout) polls in whole
+            # milliseconds, and spun on polls of 0 ms through the last fraction of one (strace:
+            # 8,400 polls in 3 s at 500 tps)
+            select.select([self.prov.fileno()], [], [], left)
 
     def sleep_on_peers(self, seconds: float) -> None:
         """A master: wait for the next tick of any peer's queue, at most `seconds`; each peer

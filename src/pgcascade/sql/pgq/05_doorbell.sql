@@ -20,17 +20,22 @@ language sql immutable as $$ select format('pgcascade.%I', format('event_%s_wake
 
 -- pgcascade.ring_sql(queue) -> the PL/pgSQL statement with which a capture function, right after
 -- it inserted its events (FOUND), notifies the queue's listening consumers; '' for a queue
--- without a doorbell (one created by a release before it, until the next install).
+-- without a doorbell (one created by a release before it, until the next install).  The
+-- doorbell is read by pg_sequence_last_value of its OID, an expression PL/pgSQL evaluates
+-- itself (NULL until a consumer first sets it: nobody listens): as a query, SELECT last_value
+-- FROM it cost 17 us a statement in the application's transactions (bench/capture_cpu.py).
 create or replace function pgcascade.ring_sql(q pgcascade.queue) returns text
 language plpgsql stable as $$
+declare
+    bell regclass := to_regclass(pgcascade.doorbell_name(q.queue_id));
 begin
-    if to_regclass(pgcascade.doorbell_name(q.queue_id)) is null then
+    if bell is null then
         return '';
     end if;
     return format($r$
-    if found and (select last_value from %s) > (extract(epoch from clock_timestamp()) * 1000)::int8 then
+    if found and pg_sequence_last_value(%s::oid::regclass) > (extract(epoch from clock_timestamp()) * 1000)::int8 then
         perform pg_notify('pgcascade_tick', %L);
-    end if;$r$, pgcascade.doorbell_name(q.queue_id), q.queue_name);
+    end if;$r$, bell::oid, q.queue_name);
 end $$;
 
 -- pgcascade.consumer_listens(queue, wait_ms, seen_event_seq) -> whether events may be pending:
