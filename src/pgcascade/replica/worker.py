@@ -62,10 +62,10 @@ from pgcascade.replica.state import Phase
 log = logging.getLogger("pgcascade.replay")
 
 INLINE_EVENTS = 2000  # a batch of at most this many events comes inline with next_batch_events
-# a fetch that found nothing is asked again after twice POLL_MIN, doubling while nothing comes (at
-# POLL_MAX it is LISTEN_AFTER's turn): 1 ms, not 2, after the last batch took the lag at 500 tps
-# from 7.7 to 7.5 ms and at 2,000 from 7.7 to 7.2 (measured alternately with the 2-ms delay; path_cpu.py: the
-# provider's CPU +7%, the worker's less, its notification wait no longer spinning)
+# a fetch that found nothing is asked again after twice POLL_MIN, doubling while nothing comes
+# (from LISTEN_AFTER on, the worker sleeps on LISTEN): 1 ms after the last batch, not 2, took the
+# lag from 7.7 to 7.5 ms at 500 tps and from 7.7 to 7.2 at 2,000 (alternate runs; path_cpu.py:
+# the provider's CPU +7%, the worker's less, with its notification wait no longer spinning)
 POLL_MIN, POLL_MAX = 0.0005, 0.05
 # a caught-up worker whose provider ticks on demand sleeps on LISTEN this long, doubling while
 # idle, and its doorbell rings as long: after a wake-up the writers' commits stop notifying
