@@ -18,12 +18,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import psycopg
+from psycopg import abc
 from psycopg.adapt import Transformer
 from psycopg.pq import ConnStatus, ExecStatus
 from psycopg.pq.abc import PGresult
 
 _BINDERS: weakref.WeakKeyDictionary[psycopg.Connection, psycopg.ClientCursor] = weakref.WeakKeyDictionary()
-_TRANSFORMERS: weakref.WeakKeyDictionary[psycopg.Connection, Transformer] = weakref.WeakKeyDictionary()
+_TRANSFORMERS: weakref.WeakKeyDictionary[psycopg.Connection, abc.Transformer] = weakref.WeakKeyDictionary()
 
 
 def compose(conn: psycopg.Connection, query: str, values: Sequence[object]) -> bytes:
