@@ -432,9 +432,17 @@ def crash_leaf_losing_commits(r, worker):
         walwriter = conn.execute(
             "select pid from pg_stat_activity where backend_type = 'walwriter'"
         ).fetchone()[0]
+        conn.execute("create table if not exists flush_mark (at timestamptz)")
     os.kill(walwriter, signal.SIGSTOP)
     try:
         load = pgbench(r.root, "-c", "2", "-j", "2", "-T", "2", "-R", "200")
+        # halfway, one durable commit flushes the leaf's WAL so far: the batches applied until
+        # then become durable (the watermark can name them), the rest of the burst is what the
+        # crash takes back (with nothing else flushing the WAL, no watermark is ever reported)
+        time.sleep(1)
+        with r.leaf.connect() as conn:
+            conn.execute("set synchronous_commit = on")
+            conn.execute("insert into flush_mark values (now())")
         assert load.wait(timeout=60) == 0, load.stderr.read()
         r.wait_sync()
         applied = r.leaf.scalar("select last_tick from pgcascade.node")
