@@ -22,8 +22,9 @@ language sql immutable as $$ select format('pgcascade.%I', format('event_%s_wake
 -- it inserted its events (FOUND), notifies the queue's listening consumers; '' for a queue
 -- without a doorbell (one created by a release before it, until the next install).  The
 -- doorbell is read by pg_sequence_last_value of its OID, an expression PL/pgSQL evaluates
--- itself (NULL until a consumer first sets it: nobody listens): as a query, SELECT last_value
--- FROM it cost 17 us a statement in the application's transactions (bench/capture_cpu.py).
+-- itself (NULL until a consumer first sets it: nobody listens), not by a query with an
+-- executor of its own (SELECT last_value FROM it) at each statement of the application.  What
+-- is left of the ring costs the writer ~7 us a statement (bench/capture_cpu.py without it).
 create or replace function pgcascade.ring_sql(q pgcascade.queue) returns text
 language plpgsql stable as $$
 declare
