@@ -433,7 +433,7 @@ def crash_leaf_losing_commits(r, worker):
             "select pid from pg_stat_activity where backend_type = 'walwriter'"
         ).fetchone()[0]
         conn.execute("create table if not exists flush_mark (at timestamptz)")
-    os.kill(walwriter, signal.SIGSTOP)
+    stop_while_idle(r.leaf, walwriter)
     try:
         load = pgbench(r.root, "-c", "2", "-j", "2", "-T", "2", "-R", "200")
         # halfway, one durable commit flushes the leaf's WAL so far: the batches applied until
@@ -454,6 +454,20 @@ def crash_leaf_losing_commits(r, worker):
     back = wait_until(lambda: _last_tick_after_restart(r), 60, what="the leaf back after its crash")
     assert back < applied, f"the crash took nothing back ({back} >= {applied}): the test proves nothing"
     return r.start_worker()
+
+
+def stop_while_idle(db, walwriter: int) -> None:
+    """SIGSTOP the WAL writer while it waits for work: stopped amid a write, it would hold the
+    lock every WAL flush takes, and the durable commit below (or any flush) would wait forever."""
+    deadline = time.monotonic() + 30
+    while True:
+        os.kill(walwriter, signal.SIGSTOP)
+        waiting = db.scalar("select wait_event from pg_stat_activity where pid = %s", (walwriter,))
+        if waiting == "WalWriterMain":
+            return
+        os.kill(walwriter, signal.SIGCONT)
+        assert time.monotonic() < deadline, f"the WAL writer never waited ({waiting})"
+        time.sleep(0.01)
 
 
 def _maintained_after(r, since) -> bool:
