@@ -510,6 +510,32 @@ def test_a_consumer_ticks_when_a_transaction_open_at_the_last_tick_commits(qdb):
         assert sorted(e[0] for e in json.loads(info.events)) == open_ids
 
 
+def test_a_two_way_marker_alone_makes_no_tick_on_demand(qdb):
+    """A master's marker (written with each peer batch it applies) is no reason for a tick on
+    demand: its peers need it only before the master's next change. Committed alone it waits
+    (no tick, no batch); with a change after it both come in the change's batch, in order."""
+
+    def fetch(conn: psycopg.Connection):
+        return q.next_batch_events(
+            conn, Q, "c1", finish=None, max_events=None, max_tick=None, inline_events=100
+        )
+
+    def ticks(conn: psycopg.Connection) -> int:
+        return conn.execute("select count(*) from pgcascade.tick").fetchone()[0]
+
+    with qdb.connect() as conn:
+        consume_all(conn, Q, "c1")
+        before = ticks(conn)
+        marker = q.insert_event(conn, Q, "pgcascade.peer-seen", "7")
+        assert fetch(conn).batch_id is None
+        assert ticks(conn) == before
+        change = q.insert_event(conn, Q, "t", "change")
+        info = fetch(conn)
+        assert ticks(conn) == before + 1
+        assert info.batch_id is not None and info.events is not None
+        assert [e[0] for e in json.loads(info.events)] == [marker, change]
+
+
 def test_the_ticker_ticks_for_a_transaction_open_at_its_last_tick_once_it_commits(qdb):
     """The ticker daemon's check: events of a transaction in progress at the last tick wait once
     it commits (within ticker_max_lag, not the idle period), and do not while it is open."""

@@ -132,6 +132,10 @@ class TwoWaySet:
             found = {n: len(conflicts_of(m)) for n, m in self.masters.items()}
             pytest.fail(f"masters did not converge in {timeout}s: {detail}\nconflicts: {found}\n{logs}")
 
+    def rows_of(self, name: str, table: str) -> set[int]:
+        with self.masters[name].db.connect() as conn:
+            return {r[0] for r in conn.execute(f"select id from {table}")}
+
     def rows(self, name: str, table: str) -> dict[int, tuple]:
         with self.masters[name].db.connect() as conn:
             return {r[0]: r[1:] for r in conn.execute(f"select id, balance, note from {table} order by id")}
@@ -526,6 +530,43 @@ def test_three_masters_lose_nothing_when_workers_are_killed_and_a_master_crashes
             assert done <= ids, f"{m.name} lacks {len(done - ids)} rows committed on {origin}"
         assert not twice, f"{m.name} applied rows twice: {twice[:10]}"
         assert applied == others, f"{m.name}: applied {len(applied)} peer rows, has {len(others)}"
+
+
+def test_masters_tick_each_others_queue_on_demand_and_a_kill_after_such_a_tick_loses_nothing(
+    two_way: TwoWaySet, make_db
+) -> None:
+    """No ticker runs: a change committed on one master reaches the other at once all the same
+    (its worker ticks the peer's queue when it asks, and is woken by the peer's doorbell when
+    idle). A worker SIGKILLed after such a tick opened its batch on the peer, before applying
+    it, applies that batch once after its restart: every row there, none applied twice."""
+    masters = [two_way.add_master(n, make_db(n)) for n in ("a", "b")]
+    for m in masters:
+        make_tables(m, "accounts")
+        m.execute("create table history (id bigint primary key, account int, delta int, origin text)")
+        m.execute(APPLIED_LOG)
+        m.run("add-table", "accounts", "history")
+    two_way.connect_all()
+    a, b = masters
+    for m in masters:
+        m.worker = two_way.daemons.start(str(m.ini), "worker")
+    time.sleep(2)  # both idle: asleep on their peer's doorbell
+    a.execute("insert into history values (1, 1, 1, 'a')")
+    wait_until(lambda: 1 in two_way.rows_of("b", "history"), 10, what="a's row on b without a ticker")
+
+    Daemons.kill(b.worker, signal.SIGINT)
+    b.worker = two_way.daemons.start(str(b.ini), "worker", env={"PGCASCADE_PAUSE_AT": "fetched"})
+    a.execute("insert into history select i, i, 1, 'a' from generate_series(2, 40) i")
+    paused = f"pause point fetched (pid {b.worker.pid})"
+    wait_until(lambda: paused in (two_way.tmp / "b.log").read_text(), 30, what=paused)
+    Daemons.kill(b.worker)  # the batch is open on a, its tick made by b's ask
+    a.execute("insert into history select i, i, 1, 'a' from generate_series(41, 60) i")
+    b.worker = two_way.daemons.start(str(b.ini), "worker")
+    wait_until(lambda: len(two_way.rows_of("b", "history")) == 60, 30, what="a's 60 rows on b")
+    with b.db.connect() as conn:
+        twice = conn.execute("select id from applied_log group by id having count(*) > 1").fetchall()
+        applied = {r[0] for r in conn.execute("select id from applied_log")}
+    assert not twice, f"b applied rows twice: {twice}"
+    assert applied == set(range(1, 61))
 
 
 def test_two_masters_with_logical_capture_converge_without_echo(two_way: TwoWaySet, make_db) -> None:

@@ -105,7 +105,7 @@ class Batches:
         stats, lsn = None, None
         if node.is_peer:
             self.use_peer_origin(sub, node)
-            now, stats = peer_worker.apply_batch(
+            now, stats, self.fresh = peer_worker.apply_batch(
                 sub, prov, node, info, appliers, self.prov_logical, self.peer_state
             )
             if stats is None:

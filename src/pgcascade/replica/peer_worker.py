@@ -38,7 +38,7 @@ from pgcascade.core.errors import RuntimeFailure, db_error_line
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
 from pgcascade.pgq.queue import BatchInfo
-from pgcascade.replica import peer_apply, prepared
+from pgcascade.replica import inline, peer_apply, prepared
 from pgcascade.replica import seqs as subscriber_seqs
 from pgcascade.replica import tables as subscriber
 from pgcascade.replica.apply import BatchStats, TableApplier, apply_staged, stage_batch
@@ -61,6 +61,8 @@ SMALL_SELECT = (
     " from (select {peer} from ({batch}) b where ev_extra4 is null or ev_type = 'EXECUTE')"
     " e (ev_id, ev_txid, ev_type, ev_data, ev_extra1, ev_time, ev_extra2, ev_extra3, ev_extra4) limit {limit}"
 )
+# the node and its tables, as read after a batch's commit (the next round starts from them)
+Fresh = tuple[nodes.Node, list[subscriber.SubscriberTable]]
 REFUSED = ("PCB01", "PCB02")  # pgcascade.peer_batch_begin: go step by step
 FAST_TYPES = frozenset({"I", "U", "D", PEER_SEEN})
 BATCH_DONE = "select pgcascade.peer_batch_done(%s, %s, %s, %s, %s)"
@@ -89,10 +91,11 @@ def apply_batch(
     appliers: dict[str, TableApplier],
     prov_logical: bool,
     state: PeerState,
-) -> tuple[nodes.Node, BatchStats | None]:
+) -> tuple[nodes.Node, BatchStats | None, Fresh | None]:
     """Apply the peer's batch `info` in one transaction; returns the node row as locked, and the
     stats, or None when the batch does not start where this node's record says it is, or the
-    node changed since the round began (nothing applied then)."""
+    node changed since the round began (nothing applied then); and, after a batch applied in
+    one round trip, the node and its tables as read after its commit."""
     assert info.cur_tick_id is not None and node.peer_of is not None and node.provider_node is not None
     # what this master's marker tells its peers: the tick's snapshot (next_batch reads it
     # with its statement's snapshot, which a tick committed in the meantime is not in)
@@ -103,7 +106,8 @@ def apply_batch(
         events = small_batch(prov, info, prov_logical)
         if events is not None:
             try:
-                return node, apply_in_one(sub, prov, node, info, appliers, state, events, snapshot)
+                stats, fresh = apply_in_one(sub, prov, node, info, appliers, state, events, snapshot)
+                return node, stats, fresh
             except psycopg.Error as e:
                 if e.sqlstate not in REFUSED:
                     for a in appliers.values():  # composed again: a table's columns may have changed
@@ -112,7 +116,7 @@ def apply_batch(
                         raise  # applied again at once (40001, a deadlock), or the connection is gone
                     # step by step, which says which table failed and why (a policy 'error', DDL)
                     log.info("peer batch %s: step by step after: %s", info.cur_tick_id, db_error_line(e))
-    return apply_step_by_step(sub, prov, node, info, appliers, prov_logical, state, snapshot)
+    return (*apply_step_by_step(sub, prov, node, info, appliers, prov_logical, state, snapshot), None)
 
 
 def small_batch(prov: psycopg.Connection, info: BatchInfo, prov_logical: bool) -> list[tuple] | None:
@@ -142,8 +146,9 @@ def apply_in_one(
     state: PeerState,
     events: list[tuple],
     snapshot: str,
-) -> BatchStats:
-    """The small batch `events` in one round trip (the module's docstring)."""
+) -> tuple[BatchStats, Fresh]:
+    """The small batch `events` in one round trip (the module's docstring), and the node and
+    its tables as read after the commit, for the next round."""
     assert info.cur_tick_id is not None and node.peer_of is not None and node.provider_node is not None
     assert state.policies is not None
     peer = state.batch(node, info.cur_tick_id)
@@ -157,7 +162,8 @@ def apply_in_one(
             stats.ignored += n
         else:  # composed before the message: composing reads the catalog
             todo.append((table, peer_apply.inline_statement(sub, a, peer)))
-    prepared.ensure(sub, [body for _t, pair in todo for body in pair])
+    reads = inline.read_statements(sub, node.queue_name)
+    prepared.ensure(sub, [*(body for _t, pair in todo for body in pair), *reads])
     bind = functools.partial(roundtrip.compose, sub)
     settings = [
         (peer_apply.SEEN_SETTING, as_json(e for e in events if e[2] == PEER_SEEN)),
@@ -186,14 +192,21 @@ def apply_in_one(
         bind(nodes.RECORD_APPLIED, (info.cur_tick_id, node.queue_name)),
         bind(subscriber_seqs.SEQS, (node.queue_name,)),
         b"commit",
+        *(prepared.execute(body) for body in reads),
     ]
-    # one message, as inline.py; a result per statement: the apply statements' conflicts, and
-    # the sequences
-    results = [roundtrip.load_rows(sub, r) for r in prepared.run(sub, statements)]
-    stats.conflicts = sum(int(results[4 + 2 * i][0][0]) for i in range(len(todo)))
-    if results[-2]:  # as a rule none: they only ever move up, so after the commit is as good
+    # one message, as inline.py; a result per statement: the apply statements' conflicts, the
+    # sequences, the node and its tables
+    *results, seqs, _commit, now, tables = prepared.run(sub, statements)
+    stats.conflicts = sum(int(roundtrip.load_rows(sub, results[4 + 2 * i])[0][0]) for i in range(len(todo)))
+    if roundtrip.load_rows(
+        sub, seqs
+    ):  # as a rule none: they only ever move up, so after the commit is as good
         subscriber_seqs.sync_sequences(prov, sub, node.queue_name)
-    return stats
+    fresh = (
+        roundtrip.load_rows(sub, now, nodes.node_from)[0],
+        roundtrip.load_rows(sub, tables, subscriber.table_from),
+    )
+    return stats, fresh
 
 
 def as_json(events: Iterable[tuple]) -> str:

@@ -63,7 +63,16 @@ def ensure(conn: psycopg.Connection, bodies: list[bytes]) -> None:
         if name in done:
             statements.append(b"deallocate " + name.encode())
         statements.append(b"prepare %s as %s" % (name.encode(), body))
-    conn.execute(b";\n".join(statements))
+    try:
+        conn.execute(b";\n".join(statements))
+    except psycopg.Error:
+        # stopped part-way (a statement composed before DDL here no longer prepares): which of
+        # them this session holds is unknown, and a deallocate of one it lacks would fail every
+        # later try (a two-way master's peers then went step by step for good)
+        done.update(dict.fromkeys(todo, now))
+        if not conn.closed:
+            forget(conn)
+        raise
     done.update(dict.fromkeys(todo, now))
 
 

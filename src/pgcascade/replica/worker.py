@@ -77,6 +77,8 @@ LISTEN_MIN, LISTEN_MAX = 0.002, 1.0
 # commits queue behind each other's WAL flushes (W1: 0.45 of no replication against 0.53)
 LISTEN_AFTER = 0.016
 PEER_IDLE_POLL = 1.0  # a caught-up peer's queue is asked at least this often without a tick
+PEER_TICK_SPACING = 2.0
+PEER_SPACED_EVENTS = 16
 
 
 def batch_cap(tables: list[subscriber.SubscriberTable], applied: int | None) -> int | None:
@@ -124,12 +126,14 @@ class Worker(Batches, Daemon):
         self.seqs: list[tuple[str, str]] = []  # followed sequences (name, here), read every watermark_period
         self.fresh: tuple[nodes.Node, list[subscriber.SubscriberTable]] | None = None
         self.delay = ApplyDelay()  # a delayed leaf (apply_delay)
-        # a master's peer worker: when its last fetch found nothing new, and whether the peer's
-        # queue has ticked since (work_peers asks the peer again only then, or PEER_IDLE_POLL later)
-        self.caught_up_at: float | None = None
+        # a master's peer worker: when its peer's queue is asked again unless it notifies, whether
+        # it notified since the last ask, and when it may be asked for a tick (PEER_TICK_SPACING)
+        self.ask_at = self.tick_after = 0.0
         self.peer_ticked = False
+        self.peers_until = 0.0  # a master's: its node and peers are read again then
 
     def reload(self) -> None:
+        self.peers_until = 0.0
         self.copies.cfg = self.cfg
         self.parallel.lanes = self.cfg.worker.apply_connections
         self.parallel.min_events = self.cfg.worker.parallel_apply_min_events
@@ -263,18 +267,23 @@ class Worker(Batches, Daemon):
             select.select([self.prov.fileno()], [], [], left)
 
     def sleep_on_peers(self, seconds: float) -> None:
-        """A master: wait for the next tick of any peer's queue, at most `seconds`; each peer
-        worker whose queue ticked is marked (peer_ticked)."""
+        """A master: wait until a peer's queue is worth asking again (peer_is_idle) or notifies,
+        at most `seconds`; each peer worker whose queue notified is marked (peer_ticked).  A peer
+        that makes its ticks on demand and had no changes for a while gets its doorbell rung."""
         ws = [w for w in self.peer_workers.values() if w.prov is not None and not w.prov.closed]
         try:
             if self.peers_ticked(ws):  # ticks that came in during the last round's statements
                 return
+            now = time.monotonic()
+            for w in ws:
+                if w.polls and w.poll_delay >= LISTEN_AFTER:
+                    w.ask_at = now + w.listen(seconds)
             with selectors.DefaultSelector() as sel:
                 for w in ws:
                     assert w.prov is not None
                     sel.register(w.prov.fileno(), selectors.EVENT_READ)
                 if ws:
-                    sel.select(seconds)
+                    sel.select(max(0.0, min([seconds, *(w.ask_at - now for w in ws)])))
                     self.peers_ticked(ws)
                     return
         except psycopg.Error:
@@ -289,13 +298,12 @@ class Worker(Batches, Daemon):
         return any(w.peer_ticked for w in ws)
 
     def peer_is_idle(self) -> bool:
-        """A peer worker whose last fetch found nothing and whose queue has not ticked since:
-        asking again costs a round trip to the peer and three reads here, for nothing (two
-        masters at 200 tps each: twice as many empty fetches as batches).  Asked anyway every
-        PEER_IDLE_POLL (a notification lost with a connection)."""
-        if self.caught_up_at is None or time.monotonic() - self.caught_up_at >= PEER_IDLE_POLL:
-            return False
-        if self.prov is None or self.prov.closed:
+        """A peer worker not due (ask_at: its poll delay, or the spacing of its ticks on demand)
+        whose queue has not notified since its last ask (a tick, or a commit ringing its
+        doorbell): asking costs a round trip to the peer and reads here, for nothing.  A peer
+        that ticks on its own is asked anyway every PEER_IDLE_POLL (a notification lost with a
+        connection)."""
+        if self.prov is None or self.prov.closed or time.monotonic() >= self.ask_at:
             return False
         try:
             return not (self.peer_ticked or self.notified())
@@ -304,12 +312,18 @@ class Worker(Batches, Daemon):
 
     # --- the loop ---
     def work(self) -> bool:
+        if (
+            self.peer_workers
+            and self.sub is not None
+            and not self.sub.closed
+            and time.monotonic() < self.peers_until
+        ):
+            return self.work_peers(self.sub, set(self.peer_workers))
         fresh, self.fresh = self.fresh, None  # after a batch applied in one round trip
-        self.caught_up_at = None
         sub, prov, node = self.connect(fresh[0] if fresh else None)
         self.delay.check(self.cfg, sub, node)
         if prov is None:
-            return self.work_peers(sub) if node.role.is_root else False
+            return self.work_peers(sub, None) if node.role.is_root else False
         if node.paused:
             if self.metrics and time.monotonic() >= self.next_watermark:
                 self.next_watermark = time.monotonic() + self.cfg.worker.watermark_period
@@ -339,41 +353,50 @@ class Worker(Batches, Daemon):
             else None
         )
         max_tick = self.delay.limit(self.cfg, prov, node, cap)
-        if node.is_peer:  # peer_worker.py's batches: its events by query, the tick's snapshot
-            info = q.next_batch(prov, self.queue, node.consumer, max_events, max_tick)
-        else:
-            info = q.next_batch_events(
-                prov,
-                self.queue,
-                node.consumer,
-                finish=self.unfinished[1]
-                if self.unfinished and self.unfinished[0] == self.prov_node
-                else None,
-                max_events=max_events,
-                max_tick=max_tick,
-                inline_events=INLINE_EVENTS,
-                seqs=[s for s, _ in self.seqs] or None,
-            )
+        ticks = not node.is_peer or time.monotonic() >= self.tick_after
+        info = q.next_batch_events(
+            prov,
+            self.queue,
+            node.consumer,
+            finish=self.unfinished[1] if self.unfinished and self.unfinished[0] == self.prov_node else None,
+            max_events=max_events,
+            max_tick=max_tick,
+            # peer_worker.py reads a peer's events by query (its own, not those it passed on)
+            inline_events=-1 if node.is_peer else INLINE_EVENTS,
+            seqs=None if node.is_peer else [s for s, _ in self.seqs] or None,
+            tick=ticks,
+        )
         self.unfinished = None
         if info.batch_id is not None:
+            fetched = time.monotonic()
             pause_point("fetched", events=(info.cur_tick_event_seq or 0) - info.prev_tick_event_seq)
             self.process_batch(sub, prov, node, tables, info)
+            if (
+                node.is_peer
+                and (info.cur_tick_event_seq or 0) - info.prev_tick_event_seq > PEER_SPACED_EVENTS
+            ):
+                self.tick_after = fetched + PEER_TICK_SPACING * (time.monotonic() - fetched)
         self.report_watermark(sub, prov, node)
         # caught up: ask again soon, then less often while nothing comes
-        self.poll_delay = POLL_MIN if info.batch_id is not None else min(2 * self.poll_delay, POLL_MAX)
         if info.batch_id is not None:
-            self.listen_wait = LISTEN_MIN
+            self.poll_delay, self.listen_wait = POLL_MIN, LISTEN_MIN
+        elif ticks:
+            self.poll_delay = min(2 * self.poll_delay, POLL_MAX)
         self.seen_event_seq = (
             info.cur_tick_event_seq if info.batch_id is not None else info.prev_tick_event_seq
         )
-        if info.batch_id is None:
-            self.caught_up_at = time.monotonic()
+        if node.is_peer:
+            self.ask_at = time.monotonic() + (self.poll_delay if self.polls else PEER_IDLE_POLL)
+            self.ask_at = max(self.ask_at, self.tick_after) if info.batch_id is None else self.tick_after
         return info.batch_id is not None
 
-    def work_peers(self, sub: psycopg.Connection) -> bool:
-        """A master replays each of its peers' queues in turn; one peer's failure (its error is
-        in its node row) holds back that peer only."""
-        subscribed = {p.queue_name for p in nodes.peers(sub, self.queue)}
+    def work_peers(self, sub: psycopg.Connection, subscribed: set[str] | None) -> bool:
+        """A master replays each of its peers' queues in turn (`subscribed`, or those its node
+        has: read again every PEER_IDLE_POLL, and after an error); one peer's failure (its
+        error is in its node row) holds back that peer only."""
+        if subscribed is None:
+            subscribed = {p.queue_name for p in nodes.peers(sub, self.queue)}
+            self.peers_until = time.monotonic() + PEER_IDLE_POLL
         for queue in set(self.peer_workers) - subscribed:
             self.peer_workers.pop(queue).shutdown()
         for queue in sorted(subscribed - set(self.peer_workers)):
@@ -402,8 +425,10 @@ class Worker(Batches, Daemon):
                     continue
                 w.drop_connections()
                 w.fail(e, queue)
+                self.peers_until = 0.0
             except Exception as e:  # the peer's batch failed: the others go on
                 w.fail(e, queue)
+                self.peers_until = 0.0
         return busy
 
     def fail(self, e: Exception, queue: str) -> None:

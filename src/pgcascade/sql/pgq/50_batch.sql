@@ -109,16 +109,15 @@ begin
     end if;
 end $$;
 
--- pgcascade.batch_event_sql(batch_id) -> the SELECT that returns the batch's events, ordered by ev_id.
--- An event belongs to the batch when its transaction is visible in the batch's closing tick
+-- pgcascade.subscription_batch_sql(subscription) -> the SELECT that returns the events of the
+-- subscription's open batch, ordered by ev_id.  An event belongs to the batch when its transaction is visible in the batch's closing tick
 -- snapshot and not in the opening one.  Not visible in the opening snapshot means: txid at or
 -- above its xmax, or in its in-progress list - two index range scans on ev_txid, however
 -- long-running the oldest open transaction is.  Every partition of the queue is read, so a
 -- writer that still used the previous partition after a rotation is never missed.
-create or replace function pgcascade.batch_event_sql(i_batch_id int8) returns text
+create or replace function pgcascade.subscription_batch_sql(s pgcascade.subscription) returns text
 language plpgsql as $$
 declare
-    s pgcascade.subscription;
     prev_snap pg_snapshot;
     cur_snap pg_snapshot;
     cols text;
@@ -126,7 +125,6 @@ declare
     sql text;
     xip int8[];
 begin
-    s := pgcascade.find_batch(i_batch_id);
     select tick_snapshot into prev_snap from pgcascade.tick where tick_queue = s.sub_queue and tick_id = s.sub_last_tick;
     select tick_snapshot into cur_snap from pgcascade.tick where tick_queue = s.sub_queue and tick_id = s.sub_next_tick;
     cols := 'ev_id, ev_time, ev_txid, (ev_rare).ev_retry as ev_retry, ev_type, ev_data,'
@@ -146,6 +144,17 @@ begin
     end if;
     -- readers that store the events drop this last clause (pgq/queue.py, unordered)
     return sql || ' order by 1';
+end $$;
+
+-- pgcascade.batch_event_sql(batch_id) -> the SELECT of the batch's events (next_batch_events,
+-- which holds the subscription's row, asks subscription_batch_sql: the subscription table has
+-- no index on sub_batch, and the lookup cost ~5 ms a call at 100 batches a second).  PL/pgSQL,
+-- never inlined: next_batch's statement opens the batch and asks for its SELECT, and an inlined
+-- lookup would read the subscription with that statement's snapshot, from before the batch.
+create or replace function pgcascade.batch_event_sql(i_batch_id int8) returns text
+language plpgsql as $$
+begin
+    return pgcascade.subscription_batch_sql(pgcascade.find_batch(i_batch_id));
 end $$;
 
 -- pgcascade.get_batch_events(batch_id) -> setof events (ev_id, ev_time, ev_txid, ev_retry, ev_type,

@@ -9,6 +9,10 @@
 
 -- pgcascade.events_committed_since(queue_id, snapshot) -> whether an event of the queue was
 -- committed after `snapshot`: its transaction is visible now and was not in the snapshot.
+-- A two-way master's marker (pgcascade.peer-seen, written with each peer batch it applies) does
+-- not count: its peers need it only before the master's next change, which it precedes in the
+-- queue.  Counted, it made a tick on demand for every batch applied, so two masters answered
+-- each other's markers with a batch each (half of all batches at 200 tps a master).
 -- A loose scan of the distinct transaction ids above the snapshot's xmax (one index probe
 -- each), so a long transaction still writing millions of events costs one probe, not a scan
 -- of its events; plus the snapshot's in-progress ids.
@@ -25,7 +29,9 @@ begin
         select min(ev_txid) into x from pgcascade.event
          where ev_part >= lo and ev_part < lo + 16 and ev_txid > x and ev_txid < xmax_now;
         exit when x is null;
-        if pg_visible_in_snapshot(x::text::xid8, now_snap) then
+        if pg_visible_in_snapshot(x::text::xid8, now_snap)
+           and exists (select 1 from pgcascade.event where ev_part >= lo and ev_part < lo + 16 and ev_txid = x
+                                                        and ev_type <> 'pgcascade.peer-seen') then
             return true;
         end if;
     end loop;
@@ -33,7 +39,8 @@ begin
     -- took pg_snapshot_xip for 1,000 rows and joined it to a scan of the queue's events
     -- (4.6 ms a call at 300 tps, against the loop's probes)
     foreach xid in array array(select x8 from pg_snapshot_xip(i_snap) x8 where pg_visible_in_snapshot(x8, now_snap)) loop
-        if exists (select 1 from pgcascade.event where ev_part >= lo and ev_part < lo + 16 and ev_txid = xid::text::int8) then
+        if exists (select 1 from pgcascade.event where ev_part >= lo and ev_part < lo + 16 and ev_txid = xid::text::int8
+                                                   and ev_type <> 'pgcascade.peer-seen') then
             return true;
         end if;
     end loop;
@@ -99,19 +106,25 @@ end $$;
 --   row_counts    with inline events: {table: row events}
 --   other_events  with inline events: how many are not row events (I/U/D)
 --   seq_values    the current values of the sequences named in `seqs` (null: no such one)
+--   cur_tick_snapshot  the batch's later tick's snapshot, as text (a two-way master's marker
+--                 says it; a tick this call made is not in its caller's statement snapshot)
+-- `inline_events` -1: never inline (a two-way master reads its peer's events by query).
 -- First it finishes `finish_batch` if that is still open (the consumer applied it; finishing
 -- twice is harmless), then, with `tick`, ticks the queue if the consumer is at its newest tick,
 -- no other reader is far behind (readers_behind) and committed events wait (tick_if_waiting).
 -- next_batch_custom's batch, cut here: the finish, the tick and the new batch write the
 -- subscription's row once, and a tick made here, next to the consumer's, is the batch's end
 -- with no further lookup (2.35 -> 1.84 ms a call at 500 tps).
-create or replace function pgcascade.next_batch_events(
+-- (dropped first: an install before it returned no cur_tick_snapshot)
+drop function if exists pgcascade.next_batch_events(text, text, int8, int8, int8, bool, int8, text[]);
+create function pgcascade.next_batch_events(
     i_queue_name text, i_consumer text, i_finish_batch int8, i_max_events int8, i_max_tick int8,
     i_tick bool, i_inline_events int8, i_seqs text[],
     out batch_id int8, out cur_tick_id int8, out prev_tick_id int8,
     out cur_tick_time timestamptz, out prev_tick_time timestamptz,
     out cur_tick_event_seq int8, out prev_tick_event_seq int8,
-    out event_sql text, out events text, out row_counts json, out other_events int8, out seq_values int8[])
+    out event_sql text, out events text, out row_counts json, out other_events int8, out seq_values int8[],
+    out cur_tick_snapshot text)
 -- generic plans: a custom plan of the events query (pruned to the queue's partitions at plan
 -- time) looks cheaper to the plan cache, which then plans it again at every call
 language plpgsql set plan_cache_mode = force_generic_plan set enable_seqscan = off as $$
@@ -189,8 +202,9 @@ begin
     select t.tick_time, t.tick_event_seq, t.tick_snapshot::text::txid_snapshot
       into cur_tick_time, cur_tick_event_seq, cur_snap
       from pgcascade.tick t where t.tick_queue = s.sub_queue and t.tick_id = cur_tick_id;
+    cur_tick_snapshot := cur_snap::text;
     if cur_tick_event_seq - prev_tick_event_seq > i_inline_events then
-        event_sql := pgcascade.batch_event_sql(batch_id);
+        event_sql := pgcascade.subscription_batch_sql(s);
         return;
     end if;
     -- the batch's events (batch_event_sql's selection) as static SQL: its plan is cached,
@@ -222,7 +236,7 @@ begin
         events := null;
         row_counts := null;
         other_events := null;
-        event_sql := pgcascade.batch_event_sql(batch_id);
+        event_sql := pgcascade.subscription_batch_sql(s);
         return;
     end if;
     events := coalesce(events, '[]');
