@@ -15,8 +15,9 @@ queue presents identical batches and a subscriber can move to any of them.  Afte
 the worker reports its watermark (the lowest tick it and the nodes below it need, and of a
 leaf that commits asynchronously only what its disk holds) to the provider.  A root's worker
 replays the queues of its two-way peers (a worker per peer subscription, in this process; their
-batches come by `next_batch` and go peer_worker.py's way), or waits: a takeover may make the
-node a branch.
+batches come by `next_batch_events` too, ticked on demand and the peer's doorbell rung as on a
+root, their events read by query, and go peer_worker.py's way), or waits: a takeover may make
+the node a branch.
 
 Between batches the worker drives the copy state machine (seed 000), owning the states NULL
 and wanna-sync:T (copies.py); the copy processes it launches own the others (copy.py):
@@ -33,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import select
-import selectors
 import time
 
 import psycopg
@@ -54,9 +54,9 @@ from pgcascade.replica.apply import REPLICA_SESSION, TableApplier, ensure_stage
 from pgcascade.replica.batch import Batches, BatchPhases
 from pgcascade.replica.copies import CopyLauncher
 from pgcascade.replica.copy import BulkCopier
-from pgcascade.replica.ddl import PeerBehind
 from pgcascade.replica.delay import ApplyDelay
 from pgcascade.replica.parallel import ParallelApply, ahead_of
+from pgcascade.replica.peer_loop import PEER_IDLE_POLL, PEER_SPACED_EVENTS, PEER_TICK_SPACING, PeerLoop
 from pgcascade.replica.state import Phase
 
 log = logging.getLogger("pgcascade.replay")
@@ -76,9 +76,6 @@ LISTEN_MIN, LISTEN_MAX = 0.002, 1.0
 # changes polls instead, for a doorbell ringing then made every commit notify, and the notifying
 # commits queue behind each other's WAL flushes (W1: 0.45 of no replication against 0.53)
 LISTEN_AFTER = 0.016
-PEER_IDLE_POLL = 1.0  # a caught-up peer's queue is asked at least this often without a tick
-PEER_TICK_SPACING = 2.0
-PEER_SPACED_EVENTS = 16
 
 
 def batch_cap(tables: list[subscriber.SubscriberTable], applied: int | None) -> int | None:
@@ -87,7 +84,7 @@ def batch_cap(tables: list[subscriber.SubscriberTable], applied: int | None) -> 
     return min((c for c in caps if c > (applied or 0)), default=None)
 
 
-class Worker(Batches, Daemon):
+class Worker(PeerLoop, Batches, Daemon):
     name = "worker"
     lock_role = DaemonRole.WORKER  # its copy processes and peer workers take none
 
@@ -231,12 +228,23 @@ class Worker(Batches, Daemon):
                     self.notified(seconds)
                 elif self.poll_delay < LISTEN_AFTER:  # changes came lately: poll, ring nobody
                     self.notified(min(seconds, self.poll_delay))
-                elif not self.notified():
+                elif not self.notified():  # (rings)
                     self.notified(self.listen(seconds))
                 return
             except psycopg.Error:
                 self.drop_connections()
         time.sleep(seconds)
+
+    def peer_worker(self, queue: str) -> Worker:
+        """A master's worker of its peer's queue `queue` (peer_loop.py)."""
+        w = Worker(self.cfg.with_changes(queue_name=queue), self.copies.bulk)
+        w.metrics = self.metrics
+        return w
+
+    def rings(self) -> bool:
+        """Whether this worker's provider ticks on demand and no change came for a while: it
+        rings the queue's doorbell before it sleeps."""
+        return self.polls and self.poll_delay >= LISTEN_AFTER
 
     def listen(self, seconds: float) -> float:
         """A consumer that makes its provider's ticks: ring the queue's doorbell and say how long
@@ -265,50 +273,6 @@ class Worker(Batches, Daemon):
             # milliseconds, and spun on polls of 0 ms through the last fraction of one (strace:
             # 8,400 polls in 3 s at 500 tps)
             select.select([self.prov.fileno()], [], [], left)
-
-    def sleep_on_peers(self, seconds: float) -> None:
-        """A master: wait until a peer's queue is worth asking again (peer_is_idle) or notifies,
-        at most `seconds`; each peer worker whose queue notified is marked (peer_ticked).  A peer
-        that makes its ticks on demand and had no changes for a while gets its doorbell rung."""
-        ws = [w for w in self.peer_workers.values() if w.prov is not None and not w.prov.closed]
-        try:
-            if self.peers_ticked(ws):  # ticks that came in during the last round's statements
-                return
-            now = time.monotonic()
-            for w in ws:
-                if w.polls and w.poll_delay >= LISTEN_AFTER:
-                    w.ask_at = now + w.listen(seconds)
-            with selectors.DefaultSelector() as sel:
-                for w in ws:
-                    assert w.prov is not None
-                    sel.register(w.prov.fileno(), selectors.EVENT_READ)
-                if ws:
-                    sel.select(max(0.0, min([seconds, *(w.ask_at - now for w in ws)])))
-                    self.peers_ticked(ws)
-                    return
-        except psycopg.Error:
-            self.drop_connections()
-        time.sleep(seconds)
-
-    @staticmethod
-    def peers_ticked(ws: list[Worker]) -> bool:
-        """Mark the peer workers whose queue ticked (notified); whether any did."""
-        for w in ws:
-            w.peer_ticked = w.notified() or w.peer_ticked
-        return any(w.peer_ticked for w in ws)
-
-    def peer_is_idle(self) -> bool:
-        """A peer worker not due (ask_at: its poll delay, or the spacing of its ticks on demand)
-        whose queue has not notified since its last ask (a tick, or a commit ringing its
-        doorbell): asking costs a round trip to the peer and reads here, for nothing.  A peer
-        that ticks on its own is asked anyway every PEER_IDLE_POLL (a notification lost with a
-        connection)."""
-        if self.prov is None or self.prov.closed or time.monotonic() >= self.ask_at:
-            return False
-        try:
-            return not (self.peer_ticked or self.notified())
-        except psycopg.Error:
-            return False
 
     # --- the loop ---
     def work(self) -> bool:
@@ -389,53 +353,6 @@ class Worker(Batches, Daemon):
             self.ask_at = time.monotonic() + (self.poll_delay if self.polls else PEER_IDLE_POLL)
             self.ask_at = max(self.ask_at, self.tick_after) if info.batch_id is None else self.tick_after
         return info.batch_id is not None
-
-    def work_peers(self, sub: psycopg.Connection, subscribed: set[str] | None) -> bool:
-        """A master replays each of its peers' queues in turn (`subscribed`, or those its node
-        has: read again every PEER_IDLE_POLL, and after an error); one peer's failure (its
-        error is in its node row) holds back that peer only."""
-        if subscribed is None:
-            subscribed = {p.queue_name for p in nodes.peers(sub, self.queue)}
-            self.peers_until = time.monotonic() + PEER_IDLE_POLL
-        for queue in set(self.peer_workers) - subscribed:
-            self.peer_workers.pop(queue).shutdown()
-        for queue in sorted(subscribed - set(self.peer_workers)):
-            w = Worker(self.cfg.with_changes(queue_name=queue), self.copies.bulk)
-            w.metrics = self.metrics
-            self.peer_workers[queue] = w
-        busy = False
-        for queue, w in self.peer_workers.items():
-            if time.monotonic() < w.retry_at or w.peer_is_idle():
-                continue
-            w.peer_ticked = False
-            try:
-                busy = w.work() or busy
-                w.backoff = 0.0
-            except PeerBehind as e:  # not an error: another master's DDL comes first; tick by tick
-                w.retry_at, w.single_ticks_until = time.monotonic() + 0.5, e.batch_end  # (no deadlock)
-                log.info("peer queue %s: %s", queue, e)
-            except psycopg.OperationalError as e:
-                if (e.sqlstate or "").startswith("40"):
-                    # a deadlock with a local transaction, or one that changed a row the batch
-                    # was judged against: rolled back, applied again at once (still open)
-                    log.info(
-                        "peer queue %s: %s; applying the batch again", queue, str(e).strip().splitlines()[0]
-                    )
-                    busy = True
-                    continue
-                w.drop_connections()
-                w.fail(e, queue)
-                self.peers_until = 0.0
-            except Exception as e:  # the peer's batch failed: the others go on
-                w.fail(e, queue)
-                self.peers_until = 0.0
-        return busy
-
-    def fail(self, e: Exception, queue: str) -> None:
-        self.backoff = min(max(self.backoff * 2, 1.0), 30.0)
-        self.retry_at = time.monotonic() + self.backoff
-        log.error("peer queue %s: %s (retrying in %.0fs)", queue, str(e).strip(), self.backoff)
-        self.report_error(e)
 
     # --- a merge-leaf (combined partitions) ---
     def combined_is_root(self, sub: psycopg.Connection, node: nodes.Node) -> bool:
