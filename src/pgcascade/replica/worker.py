@@ -185,6 +185,10 @@ class Worker(PeerLoop, Batches, Daemon):
     def subscriber_session(self) -> psycopg.Connection:
         """The worker's session on its node, set up whole or closed."""
         sub = pgconn.connect(self.db, autocommit=True, connect_timeout=10)
+        # the session's prepared statements are prepared.py's: psycopg's own would make it send
+        # DEALLOCATE ALL after any ALTER, DROP or ROLLBACK (a replayed DDL, a failed batch), and
+        # the next one-round-trip batch found its statements gone
+        sub.prepare_threshold = None
         try:
             sub.execute("set application_name = 'pgcascade worker'")
             try:
