@@ -510,6 +510,46 @@ def test_a_consumer_ticks_when_a_transaction_open_at_the_last_tick_commits(qdb):
         assert sorted(e[0] for e in json.loads(info.events)) == open_ids
 
 
+def test_inline_events_stay_under_a_byte_bound_and_can_carry_commit_times(qdb):
+    """A small batch comes inline only while its events' data stay under 8 MB in all (the
+    worker holds it in memory; JSON text stops at 1 GB): a few wide rows come by query. With
+    commit_times (a two-way master), each inline event's time is its transaction's commit
+    time, which a master compares versions by, not the time it was inserted."""
+
+    def fetch(conn: psycopg.Connection, commit_times: bool = False):
+        return q.next_batch_events(
+            conn,
+            Q,
+            "c1",
+            finish=None,
+            max_events=None,
+            max_tick=None,
+            inline_events=100,
+            commit_times=commit_times,
+        )
+
+    with qdb.connect() as conn:
+        consume_all(conn, Q, "c1")
+        wide = [q.insert_event(conn, Q, "t", "x" * 3_000_000) for _ in range(3)]
+        info = fetch(conn)
+        assert info.batch_id is not None and info.events is None and info.event_sql is not None
+        with conn.cursor(row_factory=psycopg.rows.dict_row) as cur:
+            assert [ev["ev_id"] for ev in cur.execute(info.event_sql)] == wide
+        q.finish_batch(conn, info.batch_id)
+        with conn.transaction():
+            event = q.insert_event(conn, Q, "t", "late commit")
+            time.sleep(0.2)  # inserted now, committed 0.2 s later
+        committed = conn.execute(
+            "select pg_xact_commit_timestamp(ev_txid::text::xid)::text from pgcascade.event where ev_id = %s",
+            (event,),
+        ).fetchone()[0]
+        info = fetch(conn, commit_times=True)
+        (e,) = json.loads(info.events or "[]")
+        assert e[0] == event
+        stamp = conn.execute("select %s::timestamptz::text", (e[5],)).fetchone()[0]
+        assert stamp == committed
+
+
 def test_a_two_way_marker_alone_makes_no_tick_on_demand(qdb):
     """A master's marker (written with each peer batch it applies) is no reason for a tick on
     demand: its peers need it only before the master's next change. Committed alone it waits

@@ -152,15 +152,17 @@ def next_batch_events(
     inline_events: int,
     seqs: list[str] | None = None,
     tick: bool = True,
+    commit_times: bool = False,
 ) -> BatchInfo:
     """One round trip: finish batch `finish` (if still open), tick the queue if `tick`, the
-    consumer is caught up and committed events wait, open the next batch and return it - with its events
-    inline when it holds at most `inline_events` events (-1: never) - and the values of `seqs`."""
+    consumer is caught up and committed events wait, open the next batch and return it - with
+    its events inline when it holds at most `inline_events` events (their time their
+    transaction's commit time, with `commit_times`) - and the values of `seqs`."""
     # a worker's call at every batch: sent and read by libpq (core/roundtrip.py)
     query = roundtrip.compose(
         conn,
-        "select * from pgcascade.next_batch_events(%s, %s, %s, %s, %s, %s, %s, %s)",
-        (queue, consumer, finish, max_events, max_tick, tick, inline_events, seqs),
+        "select * from pgcascade.next_batch_events(%s, %s, %s, %s, %s, %s, %s, %s, %s)",
+        (queue, consumer, finish, max_events, max_tick, tick, inline_events, seqs, commit_times),
     )
     (result,) = roundtrip.send(conn, query)
     names = roundtrip.column_names(result)

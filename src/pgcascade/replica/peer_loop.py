@@ -17,11 +17,9 @@ from typing import TYPE_CHECKING
 
 import psycopg
 
+from pgcascade.core.config import JobConfig
 from pgcascade.pgq import node as nodes
 from pgcascade.replica.ddl import PeerBehind
-
-if TYPE_CHECKING:
-    from pgcascade.replica.worker import Worker
 
 log = logging.getLogger("pgcascade.replay")
 
@@ -37,21 +35,28 @@ PEER_SPACED_EVENTS = 16
 class PeerLoop:
     """A master's rounds over its peers; the worker provides these."""
 
+    cfg: JobConfig
     queue: str
     prov: psycopg.Connection | None
-    peer_workers: dict[str, Worker]
+    peer_workers: dict[str, PeerLoop]
     peer_ticked: bool
     ask_at: float
     peers_until: float
     retry_at: float
     backoff: float
+    single_ticks_until: float
 
     if TYPE_CHECKING:  # the worker's own (declared here, never defined: they would shadow them)
 
         def drop_connections(self) -> None: ...
         def notified(self, timeout: float = 0.0) -> bool: ...
         def report_error(self, e: Exception) -> None: ...
-        def peer_worker(self, queue: str) -> Worker: ...
+        def peer_worker(self, queue: str) -> PeerLoop: ...
+        def rings(self) -> bool: ...
+        def listen(self, seconds: float) -> float: ...
+        def work(self) -> bool: ...
+        def shutdown(self) -> None: ...
+        def reload(self) -> None: ...
 
     def sleep_on_peers(self, seconds: float) -> None:
         """A master: wait until a peer's queue is worth asking again (peer_is_idle) or notifies,
@@ -78,7 +83,7 @@ class PeerLoop:
         time.sleep(seconds)
 
     @staticmethod
-    def peers_ticked(ws: list[Worker]) -> bool:
+    def peers_ticked(ws: list[PeerLoop]) -> bool:
         """Mark the peer workers whose queue ticked (notified); whether any did."""
         for w in ws:
             w.peer_ticked = w.notified() or w.peer_ticked

@@ -123,6 +123,9 @@ def small_batch(prov: psycopg.Connection, info: BatchInfo, prov_logical: bool) -
     """The peer's own events of the batch, when there are at most SMALL_BATCH, each of at most
     SMALL_EVENT bytes, and only row changes and markers among them; else None."""
     assert info.batch_id is not None
+    if info.events is not None:  # inline (next_batch_events), with the peer's commit times
+        rows = [own_event(e) for e in json.loads(info.events) if e[8] is None or e[2] == "EXECUTE"]
+        return small_or_none(rows)
     batch_sql = info.event_sql or q.batch_event_sql(prov, info.batch_id)
     rows = prov.execute(
         sql.SQL(SMALL_SELECT).format(
@@ -132,9 +135,22 @@ def small_batch(prov: psycopg.Connection, info: BatchInfo, prov_logical: bool) -
             limit=sql.Literal(SMALL_BATCH + 1),
         )
     ).fetchall()
+    return small_or_none(rows)
+
+
+def small_or_none(rows: list[tuple]) -> list[tuple] | None:
+    """The batch's own events, when they make a small batch; else None."""
     if len(rows) > SMALL_BATCH or any(r[2] not in FAST_TYPES for r in rows):
         return None
     return rows
+
+
+def own_event(e: list) -> tuple:
+    """An inline event as SMALL_SELECT reads it: the type left out (null) past SMALL_EVENT bytes."""
+    data = e[3]
+    if data is not None and len(data) > SMALL_EVENT // 4 and len(data.encode()) > SMALL_EVENT:
+        return (e[0], e[1], None, None, *e[4:])
+    return tuple(e)
 
 
 def apply_in_one(

@@ -107,7 +107,7 @@ class Worker(PeerLoop, Batches, Daemon):
         self.parallel = ParallelApply(
             cfg.db, cfg.worker.apply_connections, cfg.worker.parallel_apply_min_events
         )
-        self.peer_workers: dict[str, Worker] = {}  # a master's: peer queue -> its worker
+        self.peer_workers: dict[str, PeerLoop] = {}  # a master's: peer queue -> its worker
         self.prov_logical = False  # the provider is a two-way peer with logical capture
         self.origin_session: psycopg.Connection | None = None  # runs under the peer's replication origin
         self.peer_state = peer_worker.PeerState()  # a peer subscription's, between its batches
@@ -239,7 +239,7 @@ class Worker(PeerLoop, Batches, Daemon):
                 self.drop_connections()
         time.sleep(seconds)
 
-    def peer_worker(self, queue: str) -> Worker:
+    def peer_worker(self, queue: str) -> PeerLoop:
         """A master's worker of its peer's queue `queue` (peer_loop.py)."""
         w = Worker(self.cfg.with_changes(queue_name=queue), self.copies.bulk)
         w.metrics = self.metrics
@@ -329,10 +329,11 @@ class Worker(PeerLoop, Batches, Daemon):
             finish=self.unfinished[1] if self.unfinished and self.unfinished[0] == self.prov_node else None,
             max_events=max_events,
             max_tick=max_tick,
-            # peer_worker.py reads a peer's events by query (its own, not those it passed on)
-            inline_events=-1 if node.is_peer else INLINE_EVENTS,
+            inline_events=INLINE_EVENTS,
             seqs=None if node.is_peer else [s for s, _ in self.seqs] or None,
             tick=ticks,
+            # a peer's versions are its commit times (a logical peer's events carry them)
+            commit_times=node.is_peer and not self.prov_logical,
         )
         self.unfinished = None
         if info.batch_id is not None:
