@@ -103,6 +103,84 @@ def test_an_application_role_that_owns_nothing_keeps_writing_a_captured_table(re
             )
 
 
+# functions and operators the capture functions use, shadowed in a schema of the application's
+# own ahead of pg_catalog: each raises if it is ever called (the trigger functions run as their
+# owner, with the caller's search_path, and must resolve none of their names through it)
+TRAPS = [
+    "function {s}.format(text, name, name) returns text",
+    "function {s}.current_setting(text, boolean) returns text",
+    "function {s}.nextval(regclass) returns bigint",
+    "function {s}.now() returns timestamptz",
+    "function {s}.clock_timestamp() returns timestamptz",
+    "function {s}.row_to_json(record) returns json",
+    "function {s}.jsonb_typeof(jsonb) returns text",
+    "function {s}.pg_notify(text, text) returns void",
+    "function {s}.pg_sequence_last_value(regclass) returns bigint",
+    "function {s}.left(text, integer) returns text",
+    "function {s}.quote_nullable(text) returns text",
+    "function {s}.eq_text(text, text) returns boolean",
+    "function {s}.eq_int(integer, integer) returns boolean",
+    "function {s}.gt_int8(bigint, bigint) returns boolean",
+    "function {s}.cat_text(text, text) returns text",
+]
+TRAP_OPERATORS = [
+    "operator {s}.= (leftarg = text, rightarg = text, function = {s}.eq_text)",
+    "operator {s}.<> (leftarg = text, rightarg = text, function = {s}.eq_text)",
+    "operator {s}.= (leftarg = integer, rightarg = integer, function = {s}.eq_int)",
+    "operator {s}.> (leftarg = bigint, rightarg = bigint, function = {s}.gt_int8)",
+    "operator {s}.|| (leftarg = text, rightarg = text, function = {s}.cat_text)",
+]
+
+
+def test_an_application_role_resolves_nothing_in_the_capture_functions_by_its_search_path(replica, app_role):
+    """The capture functions run as their owner at every statement, with the writer's own
+    search_path (a SET on them cost every call): every name in them is qualified. A role that
+    puts a schema of its own ahead of pg_catalog, with a function or operator of the same name
+    and argument types as each they use, has none of them called, and its changes replicate."""
+    for db in (replica.root, replica.leaf):
+        run(
+            db,
+            "create table accounts (id int primary key, v text)",
+            "create table notes (k text primary key, j jsonb, f float8)",
+            "create table legacy (id int primary key, v text)",
+            f'grant select, insert, update, delete on accounts, notes, legacy to "{app_role}"',
+        )
+    replica.setup(["accounts", "notes"], leaf_args=())
+    replica.run("root", "add-table", "legacy", "--format=sql")  # the seed's partial SQL events
+    replica.run("leaf", "add-table", "legacy")
+    run(replica.root, f'create schema shadow authorization "{app_role}"')
+    replica.start_ticker()
+    replica.start_worker()
+    with connect_as(replica.root, app_role) as app:
+        for t in TRAPS:
+            app.execute(
+                f"create {t.format(s='shadow')} language plpgsql"
+                f" as $$ begin raise exception 'hijacked: {t.format(s='shadow').split('(')[0]}'; end $$"
+            )
+        for o in TRAP_OPERATORS:
+            app.execute(f"create {o.format(s='shadow')}")
+        app.execute("set search_path = shadow, pg_catalog, public")
+        # none of the application's own statements uses a shadowed name
+        app.execute("insert into accounts values (1, 'a'), (2, 'b'), (3, 'c')")
+        app.execute(
+            "insert into notes values ('x', '{\"a\": 1}', 1.5), ('y', 'null', 0.1), ('z', null, null)"
+        )
+        app.execute("update accounts set v = 'changed' where id between 2 and 3")
+        app.execute("update accounts set id = 10 where id between 3 and 3")  # a key change
+        app.execute("update notes set f = 2.25 where k between 'x' and 'x'")
+        app.execute("delete from accounts where id between 1 and 1")
+        app.execute("delete from notes where k between 'z' and 'z'")
+        app.execute("insert into legacy values (1, 'it''s'), (2, null)")
+        app.execute("update legacy set v = 'two' where id between 2 and 2")
+    replica.wait_sync()
+    replica.assert_equal("public.accounts", "public.notes", "public.legacy")
+    assert (
+        replica.leaf.scalar("select string_agg(id || v, ',' order by id) from accounts")
+        == "2changed,10changed"
+    )
+    assert replica.leaf.scalar("select j is not null and jsonb_typeof(j) = 'null' from notes where k = 'y'")
+
+
 # --- what pgcascade's own role needs: refused up front, in one line naming the grant -----------------
 
 

@@ -6,7 +6,7 @@
 -- key goes straight to json_populate_record.
 
 create or replace function pgcascade.json_null_key() returns text
-language sql immutable as $$ select 'pgcascade: the columns listed here hold a JSON null, not an SQL NULL'::text $$;
+language sql immutable as $$ select 'pgcascade: the columns listed here hold a JSON null, not an SQL NULL'::pg_catalog.text $$;
 
 -- pgcascade.base_type(type) -> the type itself, or a domain's base type.
 create or replace function pgcascade.base_type(i_type oid) returns regtype
@@ -30,23 +30,28 @@ language sql stable as $$
 $$;
 
 -- pgcascade.mark_json_nulls(image, columns) -> the image, with the non-null names among
--- `columns` under json_null_key() when there are any.
+-- `columns` under json_null_key() when there are any.  Every name qualified: the capture
+-- functions call it with their caller's search_path (90_capture.sql).
 create or replace function pgcascade.mark_json_nulls(i_image text, i_cols text[]) returns text
 language sql stable as $$
-    select case when array_remove(i_cols, null) = '{}' then i_image
-                else left(i_image, -1) || ',' || to_json(pgcascade.json_null_key())::text || ':'
-                     || to_json(array_remove(i_cols, null))::text || '}' end
+    select case when pg_catalog.array_remove(i_cols, null) OPERATOR(pg_catalog.=) '{}' then i_image
+                else pg_catalog.left(i_image, -1) OPERATOR(pg_catalog.||) ','
+                     OPERATOR(pg_catalog.||) pg_catalog.to_json(pgcascade.json_null_key())::pg_catalog.text
+                     OPERATOR(pg_catalog.||) ':'
+                     OPERATOR(pg_catalog.||) pg_catalog.to_json(pg_catalog.array_remove(i_cols, null))::pg_catalog.text
+                     OPERATOR(pg_catalog.||) '}' end
 $$;
 
 -- pgcascade.json_image_expr(alias, columns, types) -> the SQL expression of the JSON image of row
 -- `alias` with these columns of these types, as capture writes it (triggers and logical capture
 -- alike).  From the columns, not a table: the capture daemon may read rows of a table that DDL
--- has dropped or changed since.
+-- has dropped or changed since.  Every name in it qualified (the capture functions run with
+-- their caller's search_path).
 create or replace function pgcascade.json_image_expr(i_alias text, i_cols text[], i_types oid[]) returns text
 language sql stable as $$
-    select case when count(*) = 0 then format('row_to_json(%s.*)::text', i_alias)
-                else format('pgcascade.mark_json_nulls(row_to_json(%s.*)::text, array[%s])', i_alias,
-                            string_agg(format('case when %s(%s.%I::%s) = ''null'' then %L end',
+    select case when count(*) = 0 then format('pg_catalog.row_to_json(%s.*)::pg_catalog.text', i_alias)
+                else format('pgcascade.mark_json_nulls(pg_catalog.row_to_json(%s.*)::pg_catalog.text, array[%s])', i_alias,
+                            string_agg(format('case when pg_catalog.%s(%s.%I::pg_catalog.%s) OPERATOR(pg_catalog.=) ''null'' then %L end',
                                               case when j.base = 'jsonb'::regtype then 'jsonb_typeof' else 'json_typeof' end,
                                               i_alias, j.col, j.base, j.col), ', ' order by j.n))
            end

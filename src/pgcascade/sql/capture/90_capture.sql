@@ -24,25 +24,28 @@
 -- pgcascade.capture_sql_image(alias, columns) -> SQL expression of the seed's insert format.
 create or replace function pgcascade.capture_sql_insert_expr(i_alias text, i_cols text[]) returns text
 language sql immutable as $$
-    select format('%L || %s || %L',
+    select format('%L OPERATOR(pg_catalog.||) %s OPERATOR(pg_catalog.||) %L',
                   '(' || array_to_string(array(select quote_ident(c) from unnest(i_cols) c), ', ') || ') values (',
-                  array_to_string(array(select format('quote_nullable(%s.%I::text)', i_alias, c) from unnest(i_cols) c),
-                                  ' || '', '' || '),
+                  array_to_string(array(select format('pg_catalog.quote_nullable(%s.%I::pg_catalog.text)', i_alias, c)
+                                          from unnest(i_cols) c),
+                                  ' OPERATOR(pg_catalog.||) '', '' OPERATOR(pg_catalog.||) '),
                   ')')
 $$;
 
 create or replace function pgcascade.capture_sql_where_expr(i_alias text, i_keys text[]) returns text
 language sql immutable as $$
-    select array_to_string(array(select format('%L || quote_nullable(%s.%I::text)', quote_ident(k) || '=', i_alias, k)
-                                   from unnest(i_keys) k), ' || '' and '' || ')
+    select array_to_string(array(select format('%L OPERATOR(pg_catalog.||) pg_catalog.quote_nullable(%s.%I::pg_catalog.text)',
+                                               quote_ident(k) || '=', i_alias, k)
+                                   from unnest(i_keys) k), ' OPERATOR(pg_catalog.||) '' and '' OPERATOR(pg_catalog.||) ')
 $$;
 
 create or replace function pgcascade.capture_sql_update_expr(i_alias text, i_old text, i_cols text[], i_keys text[])
 returns text
 language sql immutable as $$
-    select array_to_string(array(select format('%L || quote_nullable(%s.%I::text)', quote_ident(c) || '=', i_alias, c)
-                                   from unnest(i_cols) c), ' || '', '' || ')
-           || ' || '' where '' || ' || pgcascade.capture_sql_where_expr(i_old, i_keys)
+    select array_to_string(array(select format('%L OPERATOR(pg_catalog.||) pg_catalog.quote_nullable(%s.%I::pg_catalog.text)',
+                                               quote_ident(c) || '=', i_alias, c)
+                                   from unnest(i_cols) c), ' OPERATOR(pg_catalog.||) '', '' OPERATOR(pg_catalog.||) ')
+           || ' OPERATOR(pg_catalog.||) '' where '' OPERATOR(pg_catalog.||) ' || pgcascade.capture_sql_where_expr(i_old, i_keys)
 $$;
 
 -- pgcascade.canonical_name(table) -> format('%I.%I', schema, name): the name events carry.
@@ -123,18 +126,26 @@ declare
     -- they run in the application's transactions, whose role may own nothing and have no
     -- rights on schema pgcascade: as their owner, with a search_path no caller can change
     fn_definer text := ' security definer set search_path = pg_catalog, pg_temp';
+    -- ...or, for the functions that run at every statement of the application (ins, upd, del),
+    -- with every name in them qualified (functions and types by pg_catalog., operators as
+    -- OPERATOR(pg_catalog.x), relations by schema or the statement's transition tables), so
+    -- the caller's search_path resolves nothing in them: a SET in a function costs each call
+    -- (the setting saved, parsed, checked, put back, and the caller's path looked up again
+    -- after it), 46 us of the writer's CPU a TPC-B transaction (bench/capture_cpu.py, 7 rounds)
+    fn_hot text := ' security definer';
     -- a partitioned table: its partitions' triggers call the same functions, and a row-level
     -- one captures partitions attached since, until they have theirs (91_capture_partitions.sql)
     partitioned bool := (select relkind = 'p' from pg_class where oid = i_table);
-    name_expr text := 'format(''%%I.%%I'', TG_TABLE_SCHEMA, TG_TABLE_NAME)';
+    name_expr text := 'pg_catalog.format(''%%I.%%I'', TG_TABLE_SCHEMA, TG_TABLE_NAME)';
     part_check text := '';
     table_lit text := quote_literal(pgcascade.canonical_name(i_table));
     ring text;  -- wakes the queue's listening consumers (05_doorbell.sql)
     -- origin_rare(), built into the INSERT: no call of an SQL function and no composite
     -- variable to fill at each statement of the application (with the doorbell's read below,
     -- 681 -> 658 us of the writer's CPU a TPC-B transaction: bench/capture_cpu.py, 7 rounds)
-    rare text := $r$case when current_setting('pgcascade.origin', true) <> '' then row(null, null,$r$
-                 || $r$ current_setting('pgcascade.origin', true), null, null)::pgcascade.event_rare end$r$;
+    rare text := $r$case when pg_catalog.current_setting('pgcascade.origin', true) OPERATOR(pg_catalog.<>) ''$r$
+                 || $r$ then row(null, null, pg_catalog.current_setting('pgcascade.origin', true), null, null)$r$
+                 || $r$::pgcascade.event_rare end$r$;
 begin
     q := pgcascade.find_queue(i_queue);
     ring := replace(pgcascade.ring_sql(q), '%', '%%');
@@ -142,7 +153,8 @@ begin
         -- events of a partition carry the table's name; one detached since is not ours any more
         name_expr := replace(table_lit, '%', '%%');
         part_check := format($p$
-    if TG_RELID <> %s and pg_partition_root(TG_RELID) is distinct from %s::oid::regclass then
+    if TG_RELID OPERATOR(pg_catalog.<>) %s::pg_catalog.oid
+       and not coalesce(pg_catalog.pg_partition_root(TG_RELID)::pg_catalog.oid OPERATOR(pg_catalog.=) %s::pg_catalog.oid, false) then
         return null;
     end if;$p$, i_table::oid, i_table::oid);
     end if;
@@ -163,7 +175,8 @@ begin
     -- ev_extra4 (in ev_rare) names the master a two-way peer's apply wrote the change for: its
     -- peers skip such events (no echo), leaves under this master apply them
     q_insert := format('insert into pgcascade.%I (ev_id, ev_time, ev_part, ev_type, ev_data, ev_extra1, ev_rare)'
-                       ' select nextval(%L::regclass), now(), %s, %%s, %%s, v_table, ' || rare || ' from %%s',
+                       ' select pg_catalog.nextval(%L::pg_catalog.regclass), pg_catalog.now(), %s, %%s, %%s, v_table, '
+                       || rare || ' from %%s',
                        pgcascade.queue_part_name(q.queue_id, q.queue_cur_table),
                        (select format('%I.%I', n.nspname, c.relname) from pg_class c
                           join pg_namespace n on n.oid = c.relnamespace where c.oid = q.queue_event_seq),
@@ -177,7 +190,7 @@ begin
         img_old := pgcascade.capture_sql_where_expr('o', i_keys);
         img_upd := pgcascade.capture_sql_update_expr('n', 'o', cols, i_keys);
     end if;
-    join_cond := array_to_string(array(select format('n.%I = o.%I', c, c) from unnest(i_keys) c), ' and ');
+    join_cond := array_to_string(array(select format('n.%I OPERATOR(pg_catalog.=) o.%I', c, c) from unnest(i_keys) c), ' and ');
 
     if q.queue_disable_insert then
         -- a statement that changes rows fails; one that changes none passes
@@ -206,18 +219,18 @@ end $f$, msg));
 declare
     v_table text := $f$ || name_expr || $f$;
 begin$f$ || replace(part_check, '%', '%%') || $f$
-    if current_setting('pgcascade.forward', true) = 'off' then  -- set with pgcascade.origin
+    if pg_catalog.current_setting('pgcascade.forward', true) OPERATOR(pg_catalog.=) 'off' then  -- set with pgcascade.origin
         return null;
     end if;
     %s;$f$ || ring || $f$
     return null;
 end $f$;
         execute format('create or replace function pgcascade.%I() returns trigger language plpgsql%s as %L',
-            fn || '_ins', fn_definer || fn_settings, format(body, format(q_insert, '''I''', img_new, 'pgcascade_new n')));
+            fn || '_ins', fn_hot || fn_settings, format(body, format(q_insert, '''I''', img_new, 'pgcascade_new n')));
         execute format('create or replace function pgcascade.%I() returns trigger language plpgsql%s as %L',
-            fn || '_del', fn_definer || fn_settings, format(body, format(q_insert, '''D''', img_old, 'pgcascade_old o')));
+            fn || '_del', fn_hot || fn_settings, format(body, format(q_insert, '''D''', img_old, 'pgcascade_old o')));
         execute format('create or replace function pgcascade.%I() returns trigger language plpgsql%s as %L',
-            fn || '_upd', fn_definer || fn_settings, format(body, format(q_insert,
+            fn || '_upd', fn_hot || fn_settings, format(body, format(q_insert,
                 format('case when o.%I is null then ''I'' when n.%I is null then ''D'' else ''U'' end', i_keys[1], i_keys[1]),
                 format('case when o.%I is null then %s when n.%I is null then %s else %s end',
                        i_keys[1], img_new, i_keys[1], img_old, img_upd),

@@ -25,6 +25,7 @@ language sql immutable as $$ select format('pgcascade.%I', format('event_%s_wake
 -- itself (NULL until a consumer first sets it: nobody listens), not by a query with an
 -- executor of its own (SELECT last_value FROM it) at each statement of the application.  What
 -- is left of the ring costs the writer ~7 us a statement (bench/capture_cpu.py without it).
+-- Every name in it is qualified: the capture functions run with their caller's search_path.
 create or replace function pgcascade.ring_sql(q pgcascade.queue) returns text
 language plpgsql stable as $$
 declare
@@ -34,8 +35,9 @@ begin
         return '';
     end if;
     return format($r$
-    if found and pg_sequence_last_value(%s::oid::regclass) > (extract(epoch from clock_timestamp()) * 1000)::int8 then
-        perform pg_notify('pgcascade_tick', %L);
+    if found and pg_catalog.pg_sequence_last_value(%s::pg_catalog.oid::pg_catalog.regclass) OPERATOR(pg_catalog.>)
+                 (extract(epoch from pg_catalog.clock_timestamp()) OPERATOR(pg_catalog.*) 1000)::pg_catalog.int8 then
+        perform pg_catalog.pg_notify('pgcascade_tick', %L);
     end if;$r$, bell::oid, q.queue_name);
 end $$;
 
