@@ -137,9 +137,10 @@ class Batches:
         if lsn is not None:
             self.durability.committed(info.cur_tick_id, lsn)
         pause_point("applied", events=stats.count)  # committed here, not finished on the provider
-        if durable:
-            # a node others read (a branch may become the root, a master has peers): nothing of
-            # its consumer stays open on a provider it may stop reading (a takeover moves it)
+        if durable and not node.is_peer:
+            # a node others read (a branch, a merge-leaf): nothing of its consumer stays open on
+            # a provider it may stop reading (a takeover moves it).  A master's peer subscription
+            # never moves: its batch is finished with the next fetch, one round trip less
             q.finish_batch(prov, info.batch_id)
             self.phases.mark("finish")
         else:

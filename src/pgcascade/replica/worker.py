@@ -423,6 +423,8 @@ class Worker(PeerLoop, Batches, Daemon):
         self.copies.stop_all()
 
     def shutdown(self) -> None:
+        for w in self.peer_workers.values():  # each finishes the batch it applied last
+            w.shutdown()
         self.copies.stop_all()
         if (
             self.unfinished
