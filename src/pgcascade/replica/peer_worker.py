@@ -120,8 +120,9 @@ def apply_batch(
 
 
 def small_batch(prov: psycopg.Connection, info: BatchInfo, prov_logical: bool) -> list[tuple] | None:
-    """The peer's own events of the batch, when there are at most SMALL_BATCH, each of at most
-    SMALL_EVENT bytes, and only row changes and markers among them; else None."""
+    """The peer's own events of the batch (inline, when the fetch brought them, else read by
+    query), when there are at most SMALL_BATCH, each of at most SMALL_EVENT bytes, and only row
+    changes and markers among them; else None."""
     assert info.batch_id is not None
     if info.events is not None:  # inline (next_batch_events), with the peer's commit times
         rows = [own_event(e) for e in json.loads(info.events) if e[8] is None or e[2] == "EXECUTE"]

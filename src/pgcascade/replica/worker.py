@@ -16,8 +16,8 @@ the worker reports its watermark (the lowest tick it and the nodes below it need
 leaf that commits asynchronously only what its disk holds) to the provider.  A root's worker
 replays the queues of its two-way peers (a worker per peer subscription, in this process; their
 batches come by `next_batch_events` too, ticked on demand and the peer's doorbell rung as on a
-root, their events read by query, and go peer_worker.py's way), or waits: a takeover may make
-the node a branch.
+root, and go peer_worker.py's way: peer_loop.py), or waits: a takeover may make the node a
+branch.
 
 Between batches the worker drives the copy state machine (seed 000), owning the states NULL
 and wanna-sync:T (copies.py); the copy processes it launches own the others (copy.py):
@@ -230,9 +230,9 @@ class Worker(PeerLoop, Batches, Daemon):
             try:
                 if not self.polls:
                     self.notified(seconds)
-                elif self.poll_delay < LISTEN_AFTER:  # changes came lately: poll, ring nobody
+                elif not self.rings():  # changes came lately: poll, ring nobody
                     self.notified(min(seconds, self.poll_delay))
-                elif not self.notified():  # (rings)
+                elif not self.notified():
                     self.notified(self.listen(seconds))
                 return
             except psycopg.Error:
@@ -337,13 +337,10 @@ class Worker(PeerLoop, Batches, Daemon):
         )
         self.unfinished = None
         if info.batch_id is not None:
-            fetched = time.monotonic()
-            pause_point("fetched", events=(info.cur_tick_event_seq or 0) - info.prev_tick_event_seq)
+            fetched, numbered = time.monotonic(), (info.cur_tick_event_seq or 0) - info.prev_tick_event_seq
+            pause_point("fetched", events=numbered)
             self.process_batch(sub, prov, node, tables, info)
-            if (
-                node.is_peer
-                and (info.cur_tick_event_seq or 0) - info.prev_tick_event_seq > PEER_SPACED_EVENTS
-            ):
+            if node.is_peer and numbered > PEER_SPACED_EVENTS:
                 self.tick_after = fetched + PEER_TICK_SPACING * (time.monotonic() - fetched)
         self.report_watermark(sub, prov, node)
         # caught up: ask again soon, then less often while nothing comes
@@ -354,9 +351,9 @@ class Worker(PeerLoop, Batches, Daemon):
         self.seen_event_seq = (
             info.cur_tick_event_seq if info.batch_id is not None else info.prev_tick_event_seq
         )
-        if node.is_peer:
-            self.ask_at = time.monotonic() + (self.poll_delay if self.polls else PEER_IDLE_POLL)
-            self.ask_at = max(self.ask_at, self.tick_after) if info.batch_id is None else self.tick_after
+        if node.is_peer:  # after a batch: as soon as it may tick; else after its poll delay too
+            idle = self.poll_delay if self.polls else PEER_IDLE_POLL
+            self.ask_at = max(self.tick_after, time.monotonic() + idle if info.batch_id is None else 0.0)
         return info.batch_id is not None
 
     # --- a merge-leaf (combined partitions) ---

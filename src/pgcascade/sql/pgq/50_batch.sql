@@ -110,8 +110,8 @@ begin
 end $$;
 
 -- pgcascade.subscription_batch_sql(subscription) -> the SELECT that returns the events of the
--- subscription's open batch, ordered by ev_id.  An event belongs to the batch when its transaction is visible in the batch's closing tick
--- snapshot and not in the opening one.  Not visible in the opening snapshot means: txid at or
+-- subscription's open batch, ordered by ev_id.  An event belongs to the batch when its
+-- transaction is visible in the batch's closing tick snapshot and not in the opening one.  Not visible in the opening snapshot means: txid at or
 -- above its xmax, or in its in-progress list - two index range scans on ev_txid, however
 -- long-running the oldest open transaction is.  Every partition of the queue is read, so a
 -- writer that still used the previous partition after a rotation is never missed.

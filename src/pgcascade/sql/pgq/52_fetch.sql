@@ -7,6 +7,13 @@
 -- finishes the consumer's previous batch and, for a small batch, returns its events inline
 -- (one round trip for the whole read).
 
+-- pgcascade.commit_time(xid8) -> the transaction's commit time (track_commit_timestamp), or null:
+-- what a two-way master compares versions by (next_batch_events' commit_times, the two-way apply).
+create or replace function pgcascade.commit_time(i_xid xid8) returns timestamptz
+language sql stable as $$
+    select pg_xact_commit_timestamp((i_xid::text::int8 % 4294967296)::text::xid)
+$$;
+
 -- pgcascade.events_committed_since(queue_id, snapshot) -> whether an event of the queue was
 -- committed after `snapshot`: its transaction is visible now and was not in the snapshot.
 -- A two-way master's marker (pgcascade.peer-seen, written with each peer batch it applies) does
@@ -110,7 +117,7 @@ end $$;
 --                 says it; a tick this call made is not in its caller's statement snapshot)
 -- With `commit_times`, inline events carry their transaction's commit time (track_commit_timestamp)
 -- instead of their insertion time: a two-way master compares versions by the origin's commit
--- time.  Events of more than INLINE_BYTES (8 MB) in all are never inline (JSON text has a 1 GB
+-- time.  Events of more than inline_bytes (8 MB) in all are never inline (JSON text has a 1 GB
 -- bound, and the worker holds the batch in memory).
 -- First it finishes `finish_batch` if that is still open (the consumer applied it; finishing
 -- twice is harmless), then, with `tick`, ticks the queue if the consumer is at its newest tick,
@@ -142,6 +149,7 @@ declare
     xip int8[];
     n_events int8;
     n_bytes int8;
+    inline_bytes constant int8 := 8388608;
 begin
     s := pgcascade.find_subscription(i_queue_name, i_consumer, true);
     if i_finish_batch is not null and s.sub_batch = i_finish_batch then
@@ -223,7 +231,7 @@ begin
     with e as materialized (
         select ev.ev_id, ev.ev_txid, ev.ev_type, ev.ev_data, ev.ev_extra1, ev.ev_rare,
                case when i_commit_times
-                    then coalesce(pg_xact_commit_timestamp((ev.ev_txid % 4294967296)::text::xid), ev.ev_time)
+                    then coalesce(pgcascade.commit_time(ev.ev_txid::text::xid8), ev.ev_time)
                     else ev.ev_time end as ev_time
           from pgcascade.event ev
          where ev.ev_part >= s.sub_queue * 16 and ev.ev_part < s.sub_queue * 16 + 16
@@ -234,7 +242,7 @@ begin
          limit i_inline_events + 1),
     n as (select count(*) as c, coalesce(sum(octet_length(e.ev_data)), 0) as b from e)
     select n.c, n.b,
-           case when n.c <= i_inline_events and n.b <= 8388608 then  -- (not aggregated otherwise)
+           case when n.c <= i_inline_events and n.b <= inline_bytes then  -- (not aggregated otherwise)
                (select json_agg(json_build_array(e.ev_id, e.ev_txid, e.ev_type, e.ev_data, e.ev_extra1, e.ev_time,
                                                  (e.ev_rare).ev_extra2, (e.ev_rare).ev_extra3, (e.ev_rare).ev_extra4)
                                 order by e.ev_id)::text from e) end,
@@ -243,7 +251,7 @@ begin
            (select count(*) from e where coalesce(e.ev_type, '') not in ('I', 'U', 'D'))
       from n
       into n_events, n_bytes, events, row_counts, other_events;
-    if n_events > i_inline_events or n_bytes > 8388608 then
+    if n_events > i_inline_events or n_bytes > inline_bytes then
         events := null;
         row_counts := null;
         other_events := null;

@@ -14,11 +14,7 @@
 -- ev_extra2 = that tick's snapshot); reading a peer's events in order, the last marker before
 -- a change says how far the peer had applied each origin.
 
--- pgcascade.commit_time(xid8) -> the transaction's commit time (track_commit_timestamp), or null.
-create or replace function pgcascade.commit_time(i_xid xid8) returns timestamptz
-language sql stable as $$
-    select pg_xact_commit_timestamp((i_xid::text::int8 % 4294967296)::text::xid)
-$$;
+-- (pgcascade.commit_time(xid8), the transaction's commit time: sql/pgq/52_fetch.sql)
 
 -- pgcascade.xid8_of(xid) -> the full transaction id of a recent 32-bit one (a row's xmin): the
 -- one nearest to the current snapshot's xmax, before or after it (this transaction's own id,
