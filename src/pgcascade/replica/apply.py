@@ -166,6 +166,7 @@ class TableApplier:
     row_filter: str | None = None  # add-table --where (filters.py)
     column_list: list[str] | None = None  # add-table --columns
     unique_at_provider: bool = False  # the provider's key is unique: update-then-insert is exact
+    merges: bool = True  # set_sql is a MERGE (PostgreSQL 15+; not where the server refused one)
     # a two-way peer's apply statements, by (peer, this master, policy): replica/peer_apply.py
     peer_sql: dict[tuple[str, str, str, bool], tuple[bytes, bytes]] = field(default_factory=dict, repr=False)
 
@@ -199,7 +200,9 @@ class TableApplier:
             shape = applysql.Shape(
                 self.dest, self.keys, self.cols, identity, self.json_nulls, on_conflict, self.row_filter
             )
-            self.set_sql = applysql.set_based_sql(shape).as_bytes(sub)
+            self.merges = self.merges and sub.info.server_version >= 150000
+            staged = applysql.merge_sql if self.merges else applysql.set_based_sql
+            self.set_sql = staged(shape).as_bytes(sub)
             self.inline_sql = applysql.set_based_sql(shape, applysql.INLINE_EVENTS).as_bytes(sub)
             for kind in applysql.ONE_KIND:
                 if (one := applysql.one_kind_sql(shape, kind)) is not None:
@@ -244,6 +247,14 @@ class TableApplier:
                 with sub.transaction():  # a savepoint: a failed set-based attempt leaves nothing behind
                     sub.execute(self.set_sql or b"", params, prepare=False)
                 return
+            except psycopg.errors.FeatureNotSupported as e:
+                if not self.merges:  # (ON CONFLICT refuses a table with rules, even unfired)
+                    log.info("%s: %s; applying row by row", self.dest, db_error_line(e))
+                else:  # MERGE refuses a table with rules or foreign partitions: the CTE form
+                    log.info("%s: %s; applying with INSERT, UPDATE and DELETE", self.dest, db_error_line(e))
+                    self.merges = False
+                    self.compose(sub, catalog.columns(sub, self.dest))
+                    return self.apply(sub, lo, hi, skip)
             except (psycopg.errors.UniqueViolation, psycopg.errors.ExclusionViolation) as e:
                 log.info("%s: set-based apply hit %s; applying row by row", self.dest, type(e).__name__)
         if rowwise and (self.row_filter is not None or self.column_list is not None):
