@@ -167,7 +167,7 @@ class TableApplier:
     row_filter: str | None = None  # add-table --where (filters.py)
     column_list: list[str] | None = None  # add-table --columns
     unique_at_provider: bool = False  # the provider's key is unique: update-then-insert is exact
-    merges: bool = True  # merge_sql is used (not where the server refused one)
+    merge_refused: bool = False  # the server refused this table's MERGE (rules, foreign partitions)
     # a two-way peer's apply statements, by (peer, this master, policy): replica/peer_apply.py
     peer_sql: dict[tuple[str, str, str, bool], tuple[bytes, bytes]] = field(default_factory=dict, repr=False)
 
@@ -202,8 +202,7 @@ class TableApplier:
                 self.dest, self.keys, self.cols, identity, self.json_nulls, on_conflict, self.row_filter
             )
             self.set_sql = applysql.set_based_sql(shape).as_bytes(sub)
-            self.merges = self.merges and sub.info.server_version >= 150000
-            if self.merges:
+            if not self.merge_refused and sub.info.server_version >= 150000:
                 self.merge_sql = applysql.merge_sql(shape).as_bytes(sub)
             self.inline_sql = applysql.set_based_sql(shape, applysql.INLINE_EVENTS).as_bytes(sub)
             for kind in applysql.ONE_KIND:
@@ -263,12 +262,11 @@ class TableApplier:
                     sub.execute(self.statement(inserts), params, prepare=False)
                 return
             except psycopg.errors.FeatureNotSupported as e:
-                if inserts or not self.merges:  # (ON CONFLICT refuses a table with rules, even unfired)
+                if inserts or self.merge_sql is None:  # ON CONFLICT refuses a table with rules, unfired
                     log.info("%s: %s; applying row by row", self.dest, db_error_line(e))
                 else:  # MERGE refuses a table with rules or foreign partitions: the CTE form
                     log.info("%s: %s; applying with INSERT, UPDATE and DELETE", self.dest, db_error_line(e))
-                    self.merges = False
-                    self.compose(sub, catalog.columns(sub, self.dest))
+                    self.merge_refused, self.merge_sql = True, None
                     return self.apply(sub, lo, hi, skip)
             except (psycopg.errors.UniqueViolation, psycopg.errors.ExclusionViolation) as e:
                 log.info("%s: set-based apply hit %s; applying row by row", self.dest, type(e).__name__)
