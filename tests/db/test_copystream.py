@@ -7,7 +7,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from pgcascade.core import copystream
+from pgcascade.core import copystream, roundtrip
 from pgcascade.core.errors import RuntimeFailure
 
 ROWS = (
@@ -77,3 +77,35 @@ def test_the_password_stays_off_the_command_line():
     assert not any("s3cr" in arg for arg in cmd)
     assert env["PGPASSWORD"] == "s3cr'et"
     assert "host=db1" in cmd[-1] and "dbname=app" in cmd[-1]
+
+
+def test_a_batch_relay_moves_every_row_and_a_failure_on_either_side_leaves_nothing(make_db):
+    """roundtrip.relay_copy, the batch's stream into the staging table: libpq's own calls.
+    Rows equal on both sides; the source failing part-way (row 7,000 of 20,000) or the
+    destination refusing a row raises that error, nothing of the stream stays in the
+    destination's transaction, and both connections go on working."""
+    prov, sub = make_db(), make_db()
+    with sub.connect() as c:
+        c.execute(TABLE)
+    rows = ROWS % "i"
+    with prov.connect() as p, sub.connect(autocommit=False) as s:
+        moved = roundtrip.relay_copy(
+            p, f"copy ({rows} from generate_series(1, 20000) i) to stdout".encode(), s, b"copy t from stdin"
+        )
+        s.commit()
+        assert moved > 20000 * 30
+        for bad_out, bad_in, error in [
+            ("1 / (27000 - i)", "i", psycopg.errors.DivisionByZero),
+            ("i", "case when i = 27000 then 'x' else i::text end", psycopg.errors.InvalidTextRepresentation),
+        ]:
+            query = f"copy (select {bad_in}, v, d, ts, n + {bad_out} from ({rows} from generate_series(20001, 40000) i) r(i, v, d, ts, n)) to stdout"
+            s.execute("select 1")  # in a transaction, as the worker's batch
+            with pytest.raises(error):
+                roundtrip.relay_copy(p, query.encode(), s, b"copy t from stdin")
+            assert s.info.transaction_status == psycopg.pq.TransactionStatus.INERROR  # no commit of a part
+            s.rollback()
+            assert p.execute("select 1").fetchone() == (1,)
+        assert s.execute("select count(*) from t").fetchone() == (20000,)
+    with prov.connect() as p, sub.connect() as s:
+        want = p.execute(f"{rows} from generate_series(1, 20000) i order by 1").fetchall()
+        assert s.execute("select * from t order by i").fetchall() == want

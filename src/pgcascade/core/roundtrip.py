@@ -99,3 +99,82 @@ def load_rows(
 def column_names(result: PGresult) -> list[str]:
     """The result's column names, for a row maker by name."""
     return [(result.fname(i) or b"").decode() for i in range(result.nfields)]
+
+
+def relay_copy(src: psycopg.Connection, copy_out: bytes, dst: psycopg.Connection, copy_in: bytes) -> int:
+    """Run `copy_out` (COPY ... TO STDOUT) on src and `copy_in` (COPY ... FROM STDIN) on dst
+    and move the rows between them with libpq's own calls, in pieces of RELAY_PIECE bytes:
+    psycopg's Copy object costs ~0.6 us of Python a row (a 5M-event batch: 3 s of the worker's
+    CPU), this ~0.25.  Bytes moved.  A failure on either side raises as psycopg would; dst's
+    COPY then ends with an error, so nothing of a partial stream stays in its transaction."""
+    sp, dp = src.pgconn, dst.pgconn
+    sp.nonblocking = dp.nonblocking = 0  # libpq waits for each piece itself
+    try:
+        _begin_copy(src, copy_out, ExecStatus.COPY_OUT)
+        try:
+            _begin_copy(dst, copy_in, ExecStatus.COPY_IN)
+        except BaseException:
+            _end_copy_out(src)
+            raise
+        moved, buf, written, ended = 0, bytearray(), True, False
+        get, put = sp.get_copy_data, dp.put_copy_data
+        while written and not (ended := (got := get(0))[0] < 0):  # a row a message: handed on in pieces
+            buf += got[1]
+            if len(buf) >= RELAY_PIECE:
+                written = put(bytes(buf)) > 0
+                moved += len(buf)
+                buf.clear()
+        if written and buf:
+            written = put(bytes(buf)) > 0
+            moved += len(buf)
+        out_failed = _results(src) if ended else _end_copy_out(src)
+        dp.put_copy_end(None if out_failed is None and written else b"the rows' source failed")
+        in_failed = _results(dst)
+    finally:
+        sp.nonblocking = dp.nonblocking = 1
+    for conn, failed in ((src, out_failed), (dst, in_failed)):
+        if failed is not None:
+            raise psycopg.errors.error_from_result(failed, encoding=conn.info.encoding)
+    return moved
+
+
+RELAY_PIECE = 1 << 16
+
+
+def _begin_copy(conn: psycopg.Connection, query: bytes, status: ExecStatus) -> None:
+    pg = conn.pgconn
+    pg.send_query(query)
+    result = pg.get_result()
+    if result is not None and result.status == status:
+        return
+    failed = result if result is not None and result.status == ExecStatus.FATAL_ERROR else None
+    rest = _results(conn) if result is not None else None
+    if failed is None and rest is None:
+        raise psycopg.InterfaceError(f"not a COPY: {query[:60]!r}")
+    raise psycopg.errors.error_from_result(failed or rest, encoding=conn.info.encoding)  # type: ignore[arg-type]
+
+
+def _end_copy_out(conn: psycopg.Connection) -> PGresult | None:
+    """Read what is left of a COPY TO STDOUT (after a failure on the other side); its error."""
+    while conn.pgconn.get_copy_data(0)[0] >= 0:
+        pass
+    return _results(conn)
+
+
+def _results(conn: psycopg.Connection) -> PGresult | None:
+    """The statement's remaining results; the failed one, if any."""
+    pg = conn.pgconn
+    failed = next((r for r in iter(pg.get_result, None) if r.status == ExecStatus.FATAL_ERROR), None)
+    while pg.get_result() is not None:
+        pass
+    while (n := pg.notifies()) is not None:  # to the connection's backlog, as psycopg does
+        if pg.notify_handler is not None:
+            pg.notify_handler(n)
+    _check_alive(conn)
+    return failed
+
+
+def _check_alive(conn: psycopg.Connection) -> None:
+    if conn.pgconn.status != ConnStatus.OK:
+        reason = conn.pgconn.error_message.decode(errors="replace").strip() or "no reason given"
+        raise psycopg.OperationalError(f"connection lost: {reason}")

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import psycopg
 from psycopg import sql
 
-from pgcascade.core import catalog
+from pgcascade.core import catalog, roundtrip
 from pgcascade.core.errors import RuntimeFailure, db_error_line
 from pgcascade.core.hooks import pause_point
 from pgcascade.core.pgconn import scalar
@@ -43,7 +43,6 @@ log = logging.getLogger("pgcascade.apply")
 
 ROW_EVENTS = ("I", "U", "D")
 MAX_EV_ID = 2**63 - 1
-RELAY_BYTES = 1 << 16  # a batch's COPY moves from provider to subscriber in pieces of this size
 
 # Every apply transaction: replica role (no capture, no protection triggers, no FK triggers),
 # and a durable commit even where the server runs with synchronous_commit = off - the batch is
@@ -117,22 +116,8 @@ def stage_batch(
         sql.SQL(batch_sql),  # composed by the provider's own function, with quoted literals
         sql.SQL(" where ") + sql.SQL(" and ").join(conditions) if conditions else sql.SQL(""),
     )
-    moved = 0
-    buf = bytearray()
-    with (
-        prov.cursor().copy(query) as src,
-        sub.cursor().copy(sql.SQL("copy pg_temp.pgcascade_stage ({}) from stdin").format(cols)) as dst,
-    ):
-        for block in src:  # a row each: written on in 64 kB pieces, far fewer calls
-            buf += block
-            if len(buf) >= RELAY_BYTES:
-                dst.write(bytes(buf))
-                moved += len(buf)
-                buf.clear()
-        if buf:
-            dst.write(bytes(buf))
-            moved += len(buf)
-    return moved
+    copy_in = sql.SQL("copy pg_temp.pgcascade_stage ({}) from stdin").format(cols)
+    return roundtrip.relay_copy(prov, query.as_bytes(prov), sub, copy_in.as_bytes(sub))
 
 
 def staged_barriers(sub: psycopg.Connection) -> int:
