@@ -165,7 +165,7 @@ def test_worker_sigkilled_mid_stream_and_mid_apply_of_a_large_transaction(bench_
     )
     mid_apply = (
         "select count(*) from pg_stat_activity where datname = current_database() and state = 'active'"
-        " and query like 'with net as%'"
+        " and (query like 'merge into%' or query like 'with net as%')"
     )
     for what, query in (("mid-stream", mid_stream), ("mid-apply", mid_apply)):
         wait_until(lambda query=query: r.leaf.scalar(query), 120, interval=0.01, what=what)
