@@ -70,12 +70,8 @@ def send(conn: psycopg.Connection, message: bytes) -> list[PGresult]:
         results = list(iter(pg.get_result, None))
     finally:
         pg.nonblocking = 1
-    while (n := pg.notifies()) is not None:  # to the connection's backlog, as psycopg does
-        if pg.notify_handler is not None:
-            pg.notify_handler(n)
-    if pg.status != ConnStatus.OK:
-        reason = pg.error_message.decode(errors="replace").strip() or "no reason given"
-        raise psycopg.OperationalError(f"connection lost: {reason}")
+    _forward_notifies(conn)
+    _check_alive(conn)
     failed = next((r for r in results if r.status == ExecStatus.FATAL_ERROR), None)
     if failed is not None:
         raise psycopg.errors.error_from_result(failed, encoding=conn.info.encoding)
@@ -167,11 +163,17 @@ def _results(conn: psycopg.Connection) -> PGresult | None:
     failed = next((r for r in iter(pg.get_result, None) if r.status == ExecStatus.FATAL_ERROR), None)
     while pg.get_result() is not None:
         pass
-    while (n := pg.notifies()) is not None:  # to the connection's backlog, as psycopg does
-        if pg.notify_handler is not None:
-            pg.notify_handler(n)
+    _forward_notifies(conn)
     _check_alive(conn)
     return failed
+
+
+def _forward_notifies(conn: psycopg.Connection) -> None:
+    """Notifications received meanwhile, to the connection's backlog, as psycopg does."""
+    pg = conn.pgconn
+    while (n := pg.notifies()) is not None:
+        if pg.notify_handler is not None:
+            pg.notify_handler(n)
 
 
 def _check_alive(conn: psycopg.Connection) -> None:
