@@ -26,6 +26,9 @@ applies that, in one statement:
   to the row's columns and nothing else.
 
 A column list (add-table --columns) is simply the columns written.
+
+On PostgreSQL 15+ a segment without inserts of the table is applied by merge_sql instead: the
+same net rows and the same outcome per key, in one MERGE (apply.py TableApplier.statement).
 """
 
 from __future__ import annotations
