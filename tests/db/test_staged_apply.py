@@ -34,6 +34,10 @@ class Shape:
     # statements write them; row by row (a table with rules) an insert of a held row is an error
     drift: bool = True
 
+    @property
+    def key_only(self) -> bool:
+        return self.key == ["id", "w"]
+
 
 SHAPES = {
     "plain": Shape(PLAIN, [PLAIN]),
@@ -74,7 +78,7 @@ def events(
     rng = random.Random(seed)
     rows = {k: dict(r) for k, r in start.items()}
     out: list[tuple[str, dict]] = []
-    key_only = shape.key == ["id", "w"]
+    key_only = shape.key_only
     if shape.drift:
         out += [("U", rows[(5,)] | {"v": 99})] + [("I", {"id": 201, "v": 77, "w": "new"})] * inserts
         rows |= {(r["id"],): r for _, r in out}
@@ -110,7 +114,7 @@ def test_a_staged_batch_leaves_the_rows_its_events_say(make_db, name, form, kind
     `cte`, the CTE form)."""
     shape = SHAPES[name]
     prov, sub = make_db(), make_db(installed=True)
-    key_only = shape.key == ["id", "w"]
+    key_only = shape.key_only
     start = {
         (i, "a") if key_only else (i,): {"id": i, "w": "a"} if key_only else {"id": i, "v": i % 100, "w": "w"}
         for i in range(1, 201)

@@ -159,10 +159,10 @@ def _end_copy_out(conn: psycopg.Connection) -> PGresult | None:
 
 def _results(conn: psycopg.Connection) -> PGresult | None:
     """The statement's remaining results; the failed one, if any."""
-    pg = conn.pgconn
-    failed = next((r for r in iter(pg.get_result, None) if r.status == ExecStatus.FATAL_ERROR), None)
-    while pg.get_result() is not None:
-        pass
+    pg, failed = conn.pgconn, None
+    while (r := pg.get_result()) is not None:
+        if failed is None and r.status == ExecStatus.FATAL_ERROR:
+            failed = r
     _forward_notifies(conn)
     _check_alive(conn)
     return failed

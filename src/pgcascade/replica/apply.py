@@ -251,7 +251,7 @@ class TableApplier:
                 else:  # MERGE refuses a table with rules or foreign partitions: the CTE form
                     log.info("%s: %s; applying with INSERT, UPDATE and DELETE", self.dest, db_error_line(e))
                     self.merge_refused, self.merge_sql = True, None
-                    return self.apply(sub, lo, hi, skip)
+                    return self.apply(sub, lo, hi, skip, inserts=inserts)
             except (psycopg.errors.UniqueViolation, psycopg.errors.ExclusionViolation) as e:
                 log.info("%s: set-based apply hit %s; applying row by row", self.dest, type(e).__name__)
         if rowwise and (self.row_filter is not None or self.column_list is not None):
