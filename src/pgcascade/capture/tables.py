@@ -100,6 +100,26 @@ def refresh_sql_capture(conn: psycopg.Connection, queue: str) -> None:
     conn.execute("select pgcascade.capture_refresh(%s)", (queue,))
 
 
+def run_script(conn: psycopg.Connection, queue: str, text: str, lift_key_triggers: bool) -> None:
+    """In the caller's transaction, a DDL script on the root, its capture functions made again
+    after it.  `lift_key_triggers`: the tables' key-change triggers off around it, for a script
+    that changes a key column's type (which their condition names: PostgreSQL refuses it)."""
+    lifted: list[str] = []
+    if lift_key_triggers:
+        lifted = scalar(conn, "select pgcascade.capture_key_triggers_lift(%s)", (queue,))
+    conn.execute(text.encode())
+    if lifted:
+        conn.execute("select pgcascade.capture_key_triggers_restore(%s, %s)", (queue, lifted))
+    refresh_sql_capture(conn, queue)
+
+
+def blocked_by_key_trigger(e: psycopg.Error) -> bool:
+    """Whether PostgreSQL refused a key column's type change because of a key-change trigger."""
+    return isinstance(e, psycopg.errors.FeatureNotSupported) and "_pgcascade_capture_key" in (
+        e.diag.message_detail or ""
+    )
+
+
 # --- the root changes place (takeover) -------------------------------------------------------------
 
 

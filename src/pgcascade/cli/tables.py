@@ -292,12 +292,21 @@ def execute(ctx: Context, files: tuple[str, ...]) -> None:
             raise UserError("execute runs on the root: its subscribers replay the script from the queue")
         for f in files:
             text = Path(f).read_text()
-            with conn.transaction():
-                conn.execute(text.encode())
-                set_tables.refresh_sql_capture(conn, ctx.queue())
-                # with logical capture, through the WAL: in order with the changes around it
-                q.emit_event(conn, ctx.queue(), "EXECUTE", text, Path(f).name)
+            try:
+                run_script(conn, ctx.queue(), text, Path(f).name, lift_key_triggers=False)
+            except psycopg.Error as e:
+                if not set_tables.blocked_by_key_trigger(e):
+                    raise
+                say(f"{f} changes a key column's type: the set's key-change triggers are off around it")
+                run_script(conn, ctx.queue(), text, Path(f).name, lift_key_triggers=True)
             click.echo(f"executed {f}")
+
+
+def run_script(conn: psycopg.Connection, queue: str, text: str, name: str, lift_key_triggers: bool) -> None:
+    with conn.transaction():
+        set_tables.run_script(conn, queue, text, lift_key_triggers)
+        # with logical capture, through the WAL: in order with the changes around it
+        q.emit_event(conn, queue, "EXECUTE", text, name)
 
 
 @click.command("wait-sync")

@@ -18,8 +18,19 @@
 --     I: (c1, c2) values ('v1', 'v2')   U: c2='v2' where k1='v1'   D: k1='v1'
 --   A JSON image starts with '{', partial SQL never does.
 --   ev_type R = TRUNCATE (no data).
--- An UPDATE is captured by joining old and new rows on the key: a row whose key changed
--- becomes a D of the old key and an I of the new row - the same end state, set-based.
+-- An UPDATE of a table in JSON format that is not partitioned is a U of every new row (the
+-- statement trigger reads only its NEW TABLE), preceded, for each row whose key changed, by a
+-- D of its old key (a row trigger WHEN the key differs, which ordinary updates never fire:
+-- a statement's AFTER row events fire before its AFTER statement events).  A U is "the row is
+-- now this": every apply inserts it where the key is missing, so keys that swap places or
+-- shift (set k = 3 - k, set k = k + 1) end right even applied row by row.  This costs the
+-- writer less than joining old and new rows (bench/capture_cpu.py, 7 rounds of 5,000 TPC-B
+-- transactions: +282 -> +230 us a transaction over no capture; the join keeps both transition
+-- tables and runs a hash full join at every statement).  The join stays for partitioned
+-- tables (a row moved to another partition fires no row UPDATE trigger) and the partial-SQL
+-- format (whose U names the old key): a row whose key changed is then a D of the old key and
+-- an I of the new row.  Which form a table has follows its triggers (_pgcascade_capture_key):
+-- tables captured by a release before keep the join until capture_enable makes them again.
 
 -- pgcascade.capture_sql_image(alias, columns) -> SQL expression of the seed's insert format.
 create or replace function pgcascade.capture_sql_insert_expr(i_alias text, i_cols text[]) returns text
@@ -98,12 +109,21 @@ language sql stable as $$
       from kinds
 $$;
 
--- pgcascade.capture_functions(queue, table, key_columns, format) -> void.
+-- pgcascade.capture_keyed(table, format) -> whether an UPDATE of the table is best captured
+-- from its new rows alone, with a row trigger for key changes (see above).
+create or replace function pgcascade.capture_keyed(i_table regclass, i_format text) returns bool
+language sql stable as $$
+    select i_format = 'json' and relkind <> 'p' from pg_class where oid = i_table
+$$;
+
+-- pgcascade.capture_functions(queue, table, key_columns, format, keyed) -> void.
 -- (Re)creates the table's capture functions for the queue's current state: they insert into
 -- its current partition, or refuse every change while the queue has disable_insert set.  Key
--- columns must exist and be NOT NULL (the UPDATE capture joins on them).  Callers hold the
--- queue row's lock, so two sessions never replace the same function at once.
-create or replace function pgcascade.capture_functions(i_queue text, i_table regclass, i_keys text[], i_format text)
+-- columns must exist and be NOT NULL (the UPDATE capture joins on them).  `keyed`: the UPDATE
+-- function reads the new rows alone, and a row function captures key changes.  Callers hold
+-- the queue row's lock, so two sessions never replace the same function at once.
+create or replace function pgcascade.capture_functions(i_queue text, i_table regclass, i_keys text[], i_format text,
+                                                       i_keyed bool)
 returns void
 language plpgsql as $$
 declare
@@ -212,6 +232,10 @@ begin
     raise exception %L, quote_ident(TG_TABLE_SCHEMA), quote_ident(TG_TABLE_NAME) using errcode = '55000';
 end $f$, msg));
         end if;
+        if i_keyed then  -- the statement's UPDATE function refuses it
+            execute format('create or replace function pgcascade.%I() returns trigger language plpgsql%s as %L',
+                fn || '_key', fn_definer, 'begin return null; end');
+        end if;
     else
         -- a peer's apply that no subscriber under this master needs passed on says so
         -- (pgcascade.forward = off, pgcascade.peer_apply_begin): nothing to write
@@ -229,12 +253,19 @@ end $f$;
             fn || '_ins', fn_hot || fn_settings, format(body, format(q_insert, '''I''', img_new, 'pgcascade_new n')));
         execute format('create or replace function pgcascade.%I() returns trigger language plpgsql%s as %L',
             fn || '_del', fn_hot || fn_settings, format(body, format(q_insert, '''D''', img_old, 'pgcascade_old o')));
-        execute format('create or replace function pgcascade.%I() returns trigger language plpgsql%s as %L',
-            fn || '_upd', fn_hot || fn_settings, format(body, format(q_insert,
-                format('case when o.%I is null then ''I'' when n.%I is null then ''D'' else ''U'' end', i_keys[1], i_keys[1]),
-                format('case when o.%I is null then %s when n.%I is null then %s else %s end',
-                       i_keys[1], img_new, i_keys[1], img_old, img_upd),
-                format('(pgcascade_new n full join pgcascade_old o on %s)', join_cond))));
+        if i_keyed then
+            execute format('create or replace function pgcascade.%I() returns trigger language plpgsql%s as %L',
+                fn || '_upd', fn_hot || fn_settings, format(body, format(q_insert, '''U''', img_new, 'pgcascade_new n')));
+            execute format('create or replace function pgcascade.%I() returns trigger language plpgsql%s as %L',
+                fn || '_key', fn_hot || fn_settings, format(body, format(q_insert, '''D''', img_old, '(select OLD.*) o')));
+        else
+            execute format('create or replace function pgcascade.%I() returns trigger language plpgsql%s as %L',
+                fn || '_upd', fn_hot || fn_settings, format(body, format(q_insert,
+                    format('case when o.%I is null then ''I'' when n.%I is null then ''D'' else ''U'' end', i_keys[1], i_keys[1]),
+                    format('case when o.%I is null then %s when n.%I is null then %s else %s end',
+                           i_keys[1], img_new, i_keys[1], img_old, img_upd),
+                    format('(pgcascade_new n full join pgcascade_old o on %s)', join_cond))));
+        end if;
         if partitioned then
             -- a row at a time, for a partition without statement triggers yet; an UPDATE that
             -- changes a key there is refused: row by row, one that shifts keys between rows
@@ -276,10 +307,63 @@ begin
 end $f$, i_queue));
     -- a trigger function's EXECUTE right is checked when a trigger is created, not when it
     -- fires: nobody but their owner may attach them to a table of theirs and write events
-    foreach op in array array['ins', 'upd', 'del', 'trunc'] || case when partitioned then array['row'] end loop
+    foreach op in array array['ins', 'upd', 'del', 'trunc'] || case when partitioned then array['row'] end
+                        || case when i_keyed then array['key'] end loop
         execute format('revoke all on function pgcascade.%I() from public', fn || '_' || op);
     end loop;
 end $$;
+
+-- pgcascade.capture_functions(queue, table, key_columns, format) -> void: the table's capture
+-- functions made again in the form its triggers have.
+create or replace function pgcascade.capture_functions(i_queue text, i_table regclass, i_keys text[], i_format text)
+returns void
+language sql as $$
+    select pgcascade.capture_functions(i_queue, i_table, i_keys, i_format,
+        exists (select 1 from pg_trigger where tgrelid = i_table and tgname = '_pgcascade_capture_key'))
+$$;
+
+-- pgcascade.capture_key_trigger(table, key_columns) -> void: the row trigger that captures the
+-- old key of a row whose key an UPDATE changed.  Not UPDATE OF the key: a BEFORE trigger may
+-- change the key of a row whose UPDATE does not name it.  Its condition names the key columns,
+-- so PostgreSQL refuses to change their type while it is there (`execute` takes it off and
+-- puts it back around such a script: cli/tables.py).  Keys are NOT NULL: <> suffices.
+create or replace function pgcascade.capture_key_trigger(i_table regclass, i_keys text[]) returns void
+language plpgsql as $$
+begin
+    execute format('create trigger _pgcascade_capture_key after update on %s for each row when (%s)'
+                   ' execute function pgcascade.%I()', i_table,
+                   array_to_string(array(select format('old.%I OPERATOR(pg_catalog.<>) new.%I', k, k)
+                                           from unnest(i_keys) k), ' or '),
+                   'capture_' || i_table::oid || '_key');
+end $$;
+
+-- pgcascade.capture_key_triggers_lift(queue) -> the set tables whose key trigger it dropped, for
+-- a script that changes a key column's type; capture_key_triggers_restore(queue, tables) puts
+-- them back in the same transaction.  DROP TRIGGER locks each table ACCESS EXCLUSIVE until then.
+create or replace function pgcascade.capture_key_triggers_lift(i_queue text) returns text[]
+language plpgsql as $$
+declare
+    lifted text[] := '{}';
+    t record;
+begin
+    for t in select st.table_name from pgcascade.set_table st
+              where st.queue_name = i_queue and to_regclass(st.table_name) is not null
+                and exists (select 1 from pg_trigger where tgrelid = to_regclass(st.table_name)
+                                                       and tgname = '_pgcascade_capture_key')
+              order by st.table_name
+    loop
+        execute format('drop trigger _pgcascade_capture_key on %s', t.table_name);
+        lifted := lifted || t.table_name;
+    end loop;
+    return lifted;
+end $$;
+
+create or replace function pgcascade.capture_key_triggers_restore(i_queue text, i_tables text[]) returns void
+language sql as $$
+    select pgcascade.capture_key_trigger(st.table_name::regclass, st.key_columns)
+      from pgcascade.set_table st
+     where st.queue_name = i_queue and st.table_name = any(i_tables) and to_regclass(st.table_name) is not null
+$$;
 
 -- pgcascade.capture_enable(queue, table, key_columns, format) -> void.
 -- (Re)creates the table's capture functions and triggers.
@@ -288,15 +372,20 @@ returns void
 language plpgsql as $$
 declare
     fn text := 'capture_' || i_table::oid;
+    keyed bool := pgcascade.capture_keyed(i_table, i_format);
 begin
     perform 1 from pgcascade.queue where queue_name = i_queue for update;
-    perform pgcascade.capture_functions(i_queue, i_table, i_keys, i_format);
+    perform pgcascade.capture_functions(i_queue, i_table, i_keys, i_format, keyed);
     perform pgcascade.capture_disable_triggers(i_table);
     execute format('create trigger _pgcascade_capture_ins after insert on %s referencing new table as pgcascade_new'
                    ' for each statement execute function pgcascade.%I()', i_table, fn || '_ins');
     execute format('create trigger _pgcascade_capture_upd after update on %s'
-                   ' referencing new table as pgcascade_new old table as pgcascade_old'
-                   ' for each statement execute function pgcascade.%I()', i_table, fn || '_upd');
+                   ' referencing new table as pgcascade_new%s'
+                   ' for each statement execute function pgcascade.%I()', i_table,
+                   case when not keyed then ' old table as pgcascade_old' else '' end, fn || '_upd');
+    if keyed then
+        perform pgcascade.capture_key_trigger(i_table, i_keys);
+    end if;
     execute format('create trigger _pgcascade_capture_del after delete on %s referencing old table as pgcascade_old'
                    ' for each statement execute function pgcascade.%I()', i_table, fn || '_del');
     execute format('create trigger _pgcascade_capture_trunc after truncate on %s'
@@ -334,7 +423,7 @@ declare
     t text;
 begin
     foreach t in array array['_pgcascade_capture_ins', '_pgcascade_capture_upd', '_pgcascade_capture_del',
-                             '_pgcascade_capture_trunc', '_pgcascade_capture_row'] loop
+                             '_pgcascade_capture_trunc', '_pgcascade_capture_row', '_pgcascade_capture_key'] loop
         execute format('drop trigger if exists %I on %s', t, i_table);
     end loop;
     perform pgcascade.capture_partitions_drop(i_table, true);
@@ -347,7 +436,7 @@ declare
     op text;
 begin
     perform pgcascade.capture_disable_triggers(i_table);
-    foreach op in array array['ins', 'upd', 'del', 'trunc', 'row'] loop
+    foreach op in array array['ins', 'upd', 'del', 'trunc', 'row', 'key'] loop
         execute format('drop function if exists pgcascade.%I()', 'capture_' || i_table::oid || '_' || op);
     end loop;
 end $$;

@@ -4,6 +4,7 @@
 -- the seed's partial-SQL events, a key unique on neither side, or a set-based attempt that
 -- broke another unique constraint.  Events visible in skip_snapshot (the provider snapshot of
 -- an initial copy) are already in the table and skipped.  `cols` are the columns written.
+-- A U whose key is missing here inserts its row, as the set-based apply does.
 -- With a row filter (the server's deparse of add-table --where: one expression, see
 -- replica/filters.py) an I or U whose row passes it is upserted - an UPDATE that moved the
 -- row into the filter inserts it - and one whose row fails it deletes the key - one that moved
@@ -54,7 +55,12 @@ begin
         elsif left(r.ev_data, 1) = '{' then
             case r.ev_type
                 when 'I' then execute sql_ins using r.ev_data;
-                when 'U' then execute sql_upd using r.ev_data;
+                when 'U' then
+                    execute sql_upd using r.ev_data;
+                    get diagnostics changed = row_count;
+                    if changed = 0 then  -- a U is the row as it is now (90_capture.sql)
+                        execute sql_ins using r.ev_data;
+                    end if;
                 else execute sql_del using r.ev_data;
             end case;
         elsif i_filter is not null then

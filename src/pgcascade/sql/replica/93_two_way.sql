@@ -93,7 +93,7 @@ begin
         return;
     end if;
     foreach t in array array['_pgcascade_capture_ins', '_pgcascade_capture_upd', '_pgcascade_capture_del',
-                             '_pgcascade_capture_trunc'] loop
+                             '_pgcascade_capture_trunc', '_pgcascade_capture_key'] loop
         if exists (select 1 from pg_trigger where tgrelid = i_table and tgname = t) then
             execute format('alter table %s enable %s trigger %I', i_table, case when i_on then 'always' else '' end, t);
         end if;
