@@ -209,3 +209,20 @@ def test_a_key_column_type_changes_through_execute(replica, tmp_path):
     )
     assert_same_rows(replica, "a")
     assert replica.leaf.scalar("select count(*) from a where id = 5000000003") == 1
+
+    # with auto-ddl, typed straight on the root: the trigger goes for the command and comes back
+    replica.run("root", "auto-ddl", "on")
+    run(replica.root, "alter table a alter column id type numeric(20)", "update a set id = 7000 where id = 7")
+    assert "_pgcascade_capture_key" in capture_triggers(replica.root, "a")
+    replica.wait_sync()
+    assert (
+        replica.leaf.scalar(
+            "select format_type(atttypid, atttypmod) from pg_attribute where attrelid = 'a'::regclass and attname = 'id'"
+        )
+        == "numeric(20,0)"
+    )
+    assert_same_rows(replica, "a")
+    # a command that fails takes the trigger's drop back with it
+    with replica.root.connect() as conn, pytest.raises(psycopg.errors.DatatypeMismatch):
+        conn.execute("alter table a alter column id type date")
+    assert "_pgcascade_capture_key" in capture_triggers(replica.root, "a")

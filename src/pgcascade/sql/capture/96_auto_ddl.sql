@@ -640,11 +640,17 @@ create or replace function pgcascade.ddl_trigger_start() returns event_trigger
 language plpgsql security definer as $$
 begin
     perform pgcascade.ddl_start(tg_tag);
+    if tg_tag = 'ALTER TABLE' then  -- 97_auto_ddl_key_type.sql
+        perform pgcascade.ddl_lift_key_trigger(pg_catalog.current_schemas(false));
+    end if;
 end $$;
 
 create or replace function pgcascade.ddl_trigger_end() returns event_trigger
 language plpgsql security definer as $$
 begin
+    if tg_tag = 'ALTER TABLE' then
+        perform pgcascade.ddl_restore_key_trigger();
+    end if;
     perform pgcascade.ddl_end(tg_tag, pg_catalog.current_schemas(false));
 end $$;
 
