@@ -15,6 +15,8 @@ import psycopg
 import pytest
 from conftest import run_cli, table_checksum
 
+from pgcascade.dev.localcluster import wait_until
+
 
 def run(db, *statements: str) -> None:
     with db.connect() as conn:
@@ -194,6 +196,42 @@ def test_expect_sync_skips_the_copy_and_skip_truncate_keeps_rows(replica):
         conn.execute("set session_replication_role = replica")
         conn.execute("delete from public.keep where id between 5000 and 5009")
     replica.assert_equal("public.keep")
+
+
+def copy_consumers(replica) -> list[str]:
+    with replica.root.connect() as conn:
+        rows = conn.execute(
+            "select consumer_name from pgcascade.get_consumer_info(%s) where consumer_name like '%%.copy.%%'",
+            (replica.queue,),
+        ).fetchall()
+    return sorted(r[0] for r in rows)
+
+
+def test_a_copy_consumer_left_on_the_provider_is_dropped_by_the_worker(replica):
+    """A copy whose provider went away as it finished could leave its consumer registered (a
+    release before this one did): it held the root's ticks and events back for ever.  The
+    worker drops such consumers of tables no copy is at work on; a copy at work keeps its own."""
+    make_tables(replica.root, "public.done", "public.copying")
+    replica.setup(["public.done"])
+    replica.start_ticker()
+    worker = replica.start_worker()
+    replica.wait_sync()
+    replica.daemons.kill(worker)
+    replica.cli("root", "add-table", "public.copying")
+    replica.cli("leaf", "add-table", "public.copying", "--create")
+    # a copy at work on public.copying: its state says so; public.done's copy is long over
+    run(
+        replica.leaf,
+        "update pgcascade.subscriber_table set state = 'wanna-sync:999999999' where table_name = 'public.copying'",
+    )
+    for t in ("public.done", "public.copying"):
+        run(replica.root, f"select pgcascade.register_consumer('{replica.queue}', 'leaf1.copy.{t}')")
+    assert copy_consumers(replica) == ["leaf1.copy.public.copying", "leaf1.copy.public.done"]
+    replica.start_worker()
+    wait_until(
+        lambda: copy_consumers(replica) == ["leaf1.copy.public.copying"], 30, what="the left consumer gone"
+    )
+    assert "unregistering leaf1.copy.public.done: no copy of its table is at work" in replica.log("leaf")
 
 
 # --- refusals ------------------------------------------------------------------------------------------

@@ -195,6 +195,15 @@ def consumer_last_tick(conn: psycopg.Connection, queue: str, consumer: str) -> i
     return row[0] if row else None
 
 
+def consumers_named(conn: psycopg.Connection, queue: str, prefix: str) -> list[str]:
+    """The consumers of the queue whose names start with `prefix`."""
+    rows = conn.execute(
+        "select consumer_name from pgcascade.get_consumer_info(%s) where starts_with(consumer_name, %s)",
+        (queue, prefix),
+    ).fetchall()
+    return [r[0] for r in rows]
+
+
 def unregister_consumers(conn: psycopg.Connection, queue: str, name: str, prefix: str) -> None:
     """Unregister consumer `name` and every consumer whose name starts with `prefix`."""
     conn.execute(

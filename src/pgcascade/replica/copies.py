@@ -23,9 +23,10 @@ from pgcascade.core import pgconn
 from pgcascade.core.config import JobConfig
 from pgcascade.core.daemon import pid_alive
 from pgcascade.pgq import node as nodes
+from pgcascade.pgq import queue as q
 from pgcascade.replica import state as states
 from pgcascade.replica import tables as subscriber
-from pgcascade.replica.copy import BulkCopier
+from pgcascade.replica.copy import BulkCopier, copy_consumer_name
 from pgcascade.replica.state import Phase, TableState
 
 log = logging.getLogger("pgcascade.replay")
@@ -73,6 +74,20 @@ class CopyLauncher:
                 changed = True
             self.launch(t.table_name)
         return changed
+
+    def drop_stale_consumers(
+        self, prov: psycopg.Connection, node: nodes.Node, tables: list[subscriber.SubscriberTable]
+    ) -> None:
+        """Unregister from the provider the copy consumers of tables no copy is at work on (a
+        release before this one could leave one behind when the provider went away as a copy
+        finished): each holds the provider's ticks and events back."""
+        copying = {t.table_name for t in tables if t.state.phase not in (Phase.NEW, Phase.OK)}
+        prefix = copy_consumer_name(node.consumer, "")
+        for name in q.consumers_named(prov, self.queue, prefix):
+            if name[len(prefix) :] not in copying:
+                log.info("unregistering %s: no copy of its table is at work", name)
+                with contextlib.suppress(psycopg.errors.NoDataFound):
+                    q.unregister_consumer(prov, self.queue, name)
 
     def hand_over(self, sub: psycopg.Connection, node: nodes.Node, t: subscriber.SubscriberTable) -> bool:
         """wanna-sync:T -> do-sync:<our tick> once this worker has applied T."""

@@ -379,11 +379,14 @@ class CopyProcess(Daemon):
 
     def finish(self, st: subscriber.SubscriberTable) -> None:
         assert self.sub is not None and self.prov is not None
+        # the copy's consumer goes first: a table in state ok has no copy to drop it later, and
+        # a registration left behind (the provider lost while dropping it) would hold the
+        # provider's ticks and events for ever.  Gone already: a finish begun before
+        with contextlib.suppress(psycopg.errors.NoDataFound):
+            q.unregister_consumer(self.prov, self.queue, self.consumer)
         subscriber.set_state(self.sub, self.queue, self.table, states.OK, copy_snapshot=None, copy_pid=None)
         if self.origin is not None:
             self.sub.execute("select pg_replication_origin_session_reset()")
             logical.drop_origin(self.sub, self.origin)
-        with contextlib.suppress(psycopg.Error):
-            q.unregister_consumer(self.prov, self.queue, self.consumer)
         log.info("%s: in sync at tick %d: ok", self.table, st.copy_tick)
         self.stop_requested = True

@@ -115,6 +115,7 @@ class Worker(PeerLoop, Batches, Daemon):
         self.backoff = self.single_ticks_until = 0.0  # a peer waiting for DDL: a tick per batch until
         # (provider, batch): applied here, finished on that provider with the next fetch
         self.unfinished: tuple[str | None, int] | None = None
+        self.copies_checked = False  # stale copy consumers looked for on this provider connection
         self.polls = False  # the provider's queue ticks when its consumers ask (trigger capture)
         self.poll_delay = POLL_MIN
         self.listen_wait = LISTEN_MIN
@@ -172,6 +173,7 @@ class Worker(PeerLoop, Batches, Daemon):
             self.prov.execute("set synchronous_commit = off")
             self.prov.execute("set application_name = 'pgcascade worker'")
             q.listen(self.prov)
+            self.copies_checked = False
             self.prov_node = node.provider_node
             # a root with trigger capture ticks when its consumers ask: poll it; other
             # providers tick on their own (the capture daemon, a branch's worker) and notify
@@ -301,6 +303,9 @@ class Worker(PeerLoop, Batches, Daemon):
             self.follow_combined(prov, node)
             return False
         tables = fresh[1] if fresh else subscriber.tables(sub, self.queue)
+        if not self.copies_checked:  # once a connection to the provider
+            self.copies.drop_stale_consumers(prov, node, tables)
+            self.copies_checked = True
         if self.copies.manage(sub, node, tables):
             # read the states again: a table handed over (do-sync) must not be applied
             # past that tick until the copy process says ok
