@@ -52,7 +52,7 @@ def msg(kind: bytes, body: bytes) -> bytes:
     return kind + body
 
 
-def test_a_transaction_is_buffered_per_table_and_a_key_change_becomes_delete_insert():
+def test_a_transaction_is_buffered_per_table_and_a_key_change_becomes_delete_and_the_new_row():
     d = capture()
     d.handle(msg(b"B", struct.pack(">qqI", 1000, 1_500_000, 42)))  # commits 1.5 s after 2000-01-01
     d.handle(msg(b"I", struct.pack(">I", 7) + b"N" + tuple_data("1", "a")))
@@ -65,7 +65,7 @@ def test_a_transaction_is_buffered_per_table_and_a_key_change_becomes_delete_ins
         ["I", ["1", "a"], at],
         ["U", ["1", "b"], at],
         ["D", ["1", None], at],
-        ["I", ["2", "b"], at],
+        ["U", ["2", "b"], at],
         ["D", ["2", None], at],
     ]
     assert d.buf_origin is None

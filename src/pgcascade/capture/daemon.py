@@ -393,9 +393,7 @@ class WalCapture(Daemon):
                 new[i] = old[i]  # type: ignore[index]
         if old is not None and any(old[i] != new[i] for i in rel.key_idx):
             self.add_row(relid, "D", old, size)  # the key changed: as the triggers write it
-            self.add_row(relid, "I", new, size)
-        else:
-            self.add_row(relid, "U", new, size)
+        self.add_row(relid, "U", new, size)  # the row as it is now (sql/capture/90_capture.sql)
 
     def on_message(self, r: Reader) -> None:
         (_flags, _lsn) = r.unpack(">bq")
