@@ -293,16 +293,19 @@ def execute(ctx: Context, files: tuple[str, ...]) -> None:
         for f in files:
             text = Path(f).read_text()
             try:
-                run_script(conn, ctx.queue(), text, Path(f).name, lift_key_triggers=False)
+                execute_script(conn, ctx.queue(), text, Path(f).name, lift_key_triggers=False)
             except psycopg.Error as e:
                 if not set_tables.blocked_by_key_trigger(e):
                     raise
                 say(f"{f} changes a key column's type: the set's key-change triggers are off around it")
-                run_script(conn, ctx.queue(), text, Path(f).name, lift_key_triggers=True)
+                execute_script(conn, ctx.queue(), text, Path(f).name, lift_key_triggers=True)
             click.echo(f"executed {f}")
 
 
-def run_script(conn: psycopg.Connection, queue: str, text: str, name: str, lift_key_triggers: bool) -> None:
+def execute_script(
+    conn: psycopg.Connection, queue: str, text: str, name: str, lift_key_triggers: bool
+) -> None:
+    """One script of `execute`, run here and queued for every node, in one transaction."""
     with conn.transaction():
         set_tables.run_script(conn, queue, text, lift_key_triggers)
         # with logical capture, through the WAL: in order with the changes around it
