@@ -42,6 +42,13 @@ def capture_triggers(db, table: str) -> dict[str, bool]:
     )
 
 
+def key_type(db) -> str:
+    """The type of column id of table a."""
+    return db.scalar(
+        "select format_type(atttypid, atttypmod) from pg_attribute where attrelid = 'a'::regclass and attname = 'id'"
+    )
+
+
 def event_types(db, txid: int) -> list[str]:
     return [
         r[0] for r in rows(db, f"select ev_type from pgcascade.event where ev_txid = {txid} order by ev_id")
@@ -200,13 +207,7 @@ def test_a_key_column_type_changes_through_execute(replica, tmp_path):
     assert "_pgcascade_capture_key" in capture_triggers(replica.root, "a")
     run(replica.root, "update a set id = id + 5000000000 where id = 3", "update a set v = 'x' where id = 4")
     replica.wait_sync()
-    assert (
-        replica.leaf.scalar(
-            "select format_type(atttypid, atttypmod) from pg_attribute"
-            " where attrelid = 'a'::regclass and attname = 'id'"
-        )
-        == "bigint"
-    )
+    assert key_type(replica.leaf) == "bigint"
     assert_same_rows(replica, "a")
     assert replica.leaf.scalar("select count(*) from a where id = 5000000003") == 1
 
@@ -215,12 +216,7 @@ def test_a_key_column_type_changes_through_execute(replica, tmp_path):
     run(replica.root, "alter table a alter column id type numeric(20)", "update a set id = 7000 where id = 7")
     assert "_pgcascade_capture_key" in capture_triggers(replica.root, "a")
     replica.wait_sync()
-    assert (
-        replica.leaf.scalar(
-            "select format_type(atttypid, atttypmod) from pg_attribute where attrelid = 'a'::regclass and attname = 'id'"
-        )
-        == "numeric(20,0)"
-    )
+    assert key_type(replica.leaf) == "numeric(20,0)"
     assert_same_rows(replica, "a")
     # a command that fails takes the trigger's drop back with it
     with replica.root.connect() as conn, pytest.raises(psycopg.errors.DatatypeMismatch):

@@ -13,6 +13,7 @@ declare
     i int := 3;
     parts text[] := '{}';
     s name;
+    found_rel regclass;
 begin
     if i_toks[i] = 'if' then
         i := i + 2;  -- IF EXISTS
@@ -30,8 +31,9 @@ begin
         return to_regclass(array_to_string(parts, '.'));
     end if;
     foreach s in array i_path loop
-        if to_regclass(format('%I.%s', s, parts[1])) is not null then
-            return to_regclass(format('%I.%s', s, parts[1]));
+        found_rel := to_regclass(format('%I.%s', s, parts[1]));
+        if found_rel is not null then
+            return found_rel;
         end if;
     end loop;
     return null;
