@@ -115,6 +115,12 @@ class WorkerSettings:
     parallel_apply_min_events: int = setting(
         20000, "the smallest batch (events) applied on several connections", minimum=1
     )
+    stream_chunk_events: int = setting(
+        100000,
+        "a larger batch is applied in chunks of this many events, each decoded by a second session"
+        " while the one before is written (docs/replication.md)",
+        minimum=1000,
+    )
     apply_delay: float = setting(
         0.0,
         "a leaf applies each batch only once its tick is this old (30min, 1h): a delayed replica"

@@ -103,35 +103,74 @@ def relay_copy(src: psycopg.Connection, copy_out: bytes, dst: psycopg.Connection
     psycopg's Copy object costs ~0.6 us of Python a row (a 5M-event batch: 3 s of the worker's
     CPU), this ~0.25.  Bytes moved.  A failure on either side raises as psycopg would; dst's
     COPY then ends with an error, so nothing of a partial stream stays in its transaction."""
-    sp, dp = src.pgconn, dst.pgconn
-    sp.nonblocking = dp.nonblocking = 0  # libpq waits for each piece itself
+    source = CopyOut(src, copy_out)
     try:
-        _begin_copy(src, copy_out, ExecStatus.COPY_OUT)
+        moved = source.relay(dst, copy_in)[1]
+    finally:
+        source.close()
+    return moved
+
+
+class CopyOut:
+    """A COPY TO STDOUT of one connection, relayed in parts (relay_copy's way) into COPY FROM
+    STDIN statements of any connections: a large batch streams its first part into the apply's
+    own stage and the rest, chunk by chunk, through another session (replica/stream.py)."""
+
+    def __init__(self, src: psycopg.Connection, copy_out: bytes):
+        self.src = src
+        self.ended = False  # every row was read
+        self.rows = 0
+        src.pgconn.nonblocking = 0  # libpq waits for each piece itself
+        try:
+            _begin_copy(src, copy_out, ExecStatus.COPY_OUT)
+        except BaseException:
+            src.pgconn.nonblocking = 1
+            raise
+
+    def relay(self, dst: psycopg.Connection, copy_in: bytes, rows: int | None = None) -> tuple[int, int]:
+        """Move the next `rows` rows (None: all that are left) into `copy_in` on dst; rows and
+        bytes moved.  A failure of the source raises once its COPY is over (close)."""
+        dp = dst.pgconn
+        dp.nonblocking = 0
         try:
             _begin_copy(dst, copy_in, ExecStatus.COPY_IN)
-        except BaseException:
-            _end_copy_out(src)
-            raise
-        moved, buf, written, ended = 0, bytearray(), True, False
-        get, put = sp.get_copy_data, dp.put_copy_data
-        while written and not (ended := (got := get(0))[0] < 0):  # a row a message: handed on in pieces
-            buf += got[1]
-            if len(buf) >= RELAY_PIECE:
+            moved, count, buf, written = 0, 0, bytearray(), True
+            get, put = self.src.pgconn.get_copy_data, dp.put_copy_data
+            while written and (rows is None or count < rows):  # a row a message: handed on in pieces
+                got = get(0)
+                if got[0] < 0:
+                    self.ended = True
+                    break
+                buf += got[1]
+                count += 1
+                if len(buf) >= RELAY_PIECE:
+                    written = put(bytes(buf)) > 0
+                    moved += len(buf)
+                    buf.clear()
+            if written and buf:
                 written = put(bytes(buf)) > 0
                 moved += len(buf)
-                buf.clear()
-        if written and buf:
-            written = put(bytes(buf)) > 0
-            moved += len(buf)
-        out_failed = _results(src) if ended else _end_copy_out(src)
-        dp.put_copy_end(None if out_failed is None and written else b"the rows' source failed")
-        in_failed = _results(dst)
-    finally:
-        sp.nonblocking = dp.nonblocking = 1
-    for conn, failed in ((src, out_failed), (dst, in_failed)):
+            failed = _results(self.src) if self.ended else None
+            dp.put_copy_end(None if failed is None and written else b"the rows' source failed")
+            in_failed = _results(dst)
+        finally:
+            dp.nonblocking = 1
+        self.rows += count
         if failed is not None:
-            raise psycopg.errors.error_from_result(failed, encoding=conn.info.encoding)
-    return moved
+            raise psycopg.errors.error_from_result(failed, encoding=self.src.info.encoding)
+        if in_failed is not None:
+            self.close()
+            raise psycopg.errors.error_from_result(in_failed, encoding=dst.info.encoding)
+        return count, moved
+
+    def close(self) -> None:
+        """Read what is left unread (a stream given up), and give the source back."""
+        try:
+            if not self.ended:
+                self.ended = True
+                _end_copy_out(self.src)
+        finally:
+            self.src.pgconn.nonblocking = 1
 
 
 RELAY_PIECE = 1 << 16

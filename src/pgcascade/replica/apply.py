@@ -93,11 +93,13 @@ def stage_batch(
     row_events: bool = True,
     peer: bool = False,
     peer_logical: bool = False,
+    copy_out: list[bytes] | None = None,
 ) -> int:
     """Stream the batch's events from the provider into the subscriber's staging table; bytes
     moved.  `only_tables`: those tables' events only; `row_events=False`: all but row events
     (applied elsewhere); `carry`: every field, for a branch that inserts them into its queue;
-    `peer`: a two-way peer's batch (PEER_SELECT; `peer_logical`: the peer captures logically)."""
+    `peer`: a two-way peer's batch (PEER_SELECT; `peer_logical`: the peer captures logically);
+    `copy_out`: only append the provider's COPY statement to it."""
     ensure_stage(sub)
     assert batch.batch_id is not None
     batch_sql = q.unordered(batch.event_sql or q.batch_event_sql(prov, batch.batch_id))
@@ -116,6 +118,9 @@ def stage_batch(
         sql.SQL(batch_sql),  # composed by the provider's own function, with quoted literals
         sql.SQL(" where ") + sql.SQL(" and ").join(conditions) if conditions else sql.SQL(""),
     )
+    if copy_out is not None:  # the caller relays it (replica/stream.py)
+        copy_out.append(query.as_bytes(prov))
+        return 0
     copy_in = sql.SQL("copy pg_temp.pgcascade_stage ({}) from stdin").format(cols)
     return roundtrip.relay_copy(prov, query.as_bytes(prov), sub, copy_in.as_bytes(sub))
 
@@ -153,6 +158,7 @@ class TableApplier:
     column_list: list[str] | None = None  # add-table --columns
     unique_at_provider: bool = False  # the provider's key is unique: update-then-insert is exact
     merge_refused: bool = False  # the server refused this table's MERGE (rules, foreign partitions)
+    shape: applysql.Shape | None = field(default=None, repr=False)  # of the set-based statements
     # a two-way peer's apply statements, by (peer, this master, policy): replica/peer_apply.py
     peer_sql: dict[tuple[str, str, str, bool], tuple[bytes, bytes]] = field(default_factory=dict, repr=False)
 
@@ -186,7 +192,7 @@ class TableApplier:
             shape = applysql.Shape(
                 self.dest, self.keys, self.cols, identity, self.json_nulls, on_conflict, self.row_filter
             )
-            self.set_sql = applysql.set_based_sql(shape).as_bytes(sub)
+            self.shape, self.set_sql = shape, applysql.set_based_sql(shape).as_bytes(sub)
             if not self.merge_refused and sub.info.server_version >= 150000:
                 self.merge_sql = applysql.merge_sql(shape).as_bytes(sub)
             self.inline_sql = applysql.set_based_sql(shape, applysql.INLINE_EVENTS).as_bytes(sub)
@@ -263,15 +269,6 @@ class TableApplier:
             "select pgcascade.apply_rows(%s, %s::regclass, %s, %s, %s, %s, %s::pg_snapshot, %s)",
             (self.table, self.dest, self.keys, self.cols, lo, hi, skip, self.row_filter),
         )
-
-
-def merge_staged(sub: psycopg.Connection, combined: str, part: str, tick: int, tables: list[str]) -> int:
-    """A merge-leaf: insert the staged row events of `tables` into this database's combined
-    queue, with new ids in the same order, and a marker saying which tick of `part` they go to
-    (a combined-failover node follows the partition's position by it)."""
-    n = q.insert_staged(sub, combined, STAGE_TABLE, tables)
-    q.insert_event(sub, combined, "pgcascade.part-tick", str(tick), part)
-    return n
 
 
 class ApplyError(RuntimeFailure):

@@ -71,17 +71,9 @@ INLINE_EVENTS = sql.SQL(
 def _net_cte(s: Shape, source: sql.Composable) -> sql.Composed:
     """The segment's events of the table reduced to the last one per key (`net`): each key's
     event type and its row, typed as the destination's row."""
-    dest = sql.SQL(s.dest)  # canonical name, quoted by the server
     # keys compare with the types' equality (as the unique index does), and typed rows sort
     # cheaper than their JSON text
     key_exprs = sql.SQL(", ").join(sql.SQL("(pgcascade_row).{}").format(sql.Identifier(k)) for k in s.keys)
-    # json_populate_record, not jsonb's: jsonb would turn float -0 into 0 and rewrite the text
-    # of json columns; with json/jsonb columns event_row, which also restores their JSON nulls
-    populate = sql.SQL(
-        "pgcascade.event_row(null::{}, s.ev_data)"
-        if s.json_nulls
-        else "json_populate_record(null::{}, s.ev_data::json)"
-    ).format(dest)
     return sql.SQL(
         " select distinct on ({keys}) s.ev_type, pgcascade_row from {source} s"
         " cross join lateral {populate} pgcascade_row"
@@ -90,7 +82,18 @@ def _net_cte(s: Shape, source: sql.Composable) -> sql.Composed:
         " and (%(skip)s::text is null"
         "      or not txid_visible_in_snapshot(s.ev_txid, %(skip)s::text::txid_snapshot))"
         " order by {keys}, s.ev_id desc"
-    ).format(keys=key_exprs, source=source, populate=populate)
+    ).format(keys=key_exprs, source=source, populate=populate(s))
+
+
+def populate(s: Shape) -> sql.Composed:
+    """The row of event `s` (its ev_data), typed as the destination's row."""
+    # json_populate_record, not jsonb's: jsonb would turn float -0 into 0 and rewrite the text
+    # of json columns; with json/jsonb columns event_row, which also restores their JSON nulls
+    return sql.SQL(
+        "pgcascade.event_row(null::{}, s.ev_data)"
+        if s.json_nulls
+        else "json_populate_record(null::{}, s.ev_data::json)"
+    ).format(sql.SQL(s.dest))
 
 
 def _kept(s: Shape) -> sql.Composable:
@@ -106,7 +109,7 @@ def _key_match(s: Shape) -> sql.Composed:
     return sql.SQL(" and ").join(sql.SQL("t.{} = {}").format(sql.Identifier(k), _row_col(k)) for k in s.keys)
 
 
-def merge_sql(s: Shape, source: sql.Composable = STAGE) -> sql.Composed:
+def merge_sql(s: Shape, source: sql.Composable = STAGE, net: sql.Composable | None = None) -> sql.Composed:
     """set_based_sql's work as one MERGE (PostgreSQL 15+): the net rows joined once to the
     destination - a matched key is deleted (not kept) or updated, one not matched and kept is
     inserted.  No CTE read four times: 5,000,000 updated rows 35 -> 31 s (docs/design.md).  A
@@ -126,18 +129,20 @@ def merge_sql(s: Shape, source: sql.Composable = STAGE) -> sql.Composed:
         )
     )
     return sql.SQL("merge into {} t using ({}) net on {} {}").format(
-        sql.SQL(s.dest), _net_cte(s, source), _key_match(s), sql.SQL(" ").join(clauses)
+        sql.SQL(s.dest), net or _net_cte(s, source), _key_match(s), sql.SQL(" ").join(clauses)
     )
 
 
-def set_based_sql(s: Shape, source: sql.Composable = STAGE) -> sql.Composed:
+def set_based_sql(
+    s: Shape, source: sql.Composable = STAGE, net: sql.Composable | None = None
+) -> sql.Composed:
     """The statement, with parameters t (the table as in ev_extra1), lo, hi and skip (a copy's
     snapshot: events visible in it are in the copied rows); the events are read from
-    `source` (STAGE or INLINE_EVENTS)."""
+    `source` (STAGE or INLINE_EVENTS), or `net` is the net rows already (replica/stream.py)."""
     dest = sql.SQL(s.dest)  # canonical name, quoted by the server
     key_match = _key_match(s)
     non_keys = [c for c in s.cols if c not in s.keys]
-    ctes = [sql.SQL("net as ({})").format(_net_cte(s, source))]
+    ctes = [sql.SQL("net as ({})").format(net or _net_cte(s, source))]
     src, gone, stays = sql.SQL("net"), sql.SQL("net.ev_type = 'D'"), sql.SQL("net.ev_type <> 'D'")
     if s.row_filter is not None:
         ctes.append(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import suppress
 
 import psycopg
 
@@ -30,7 +31,7 @@ from pgcascade.core.pgconn import scalar
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
 from pgcascade.pgq.queue import BatchInfo
-from pgcascade.replica import inline, peer_worker
+from pgcascade.replica import inline, peer_worker, stream
 from pgcascade.replica import seqs as subscriber_seqs
 from pgcascade.replica import tables as subscriber
 from pgcascade.replica.apply import (
@@ -39,7 +40,6 @@ from pgcascade.replica.apply import (
     BatchStats,
     TableApplier,
     apply_staged,
-    merge_staged,
     stage_batch,
 )
 from pgcascade.replica.ddl import DdlReplay, forget_tables_left
@@ -85,6 +85,7 @@ class Batches:
     seqs: list[tuple[str, str]]
     fresh: tuple[nodes.Node, list[subscriber.SubscriberTable]] | None
     peer_state: peer_worker.PeerState
+    streamer: stream.Streamer
 
     def process_batch(
         self,
@@ -195,7 +196,29 @@ class Batches:
         appliers: dict[str, TableApplier],
         durable: bool,
     ) -> BatchStats | None:
-        """Stage, carry, apply and record in one transaction; None when nothing was applied."""
+        """Stage, carry, apply and record in one transaction; None when nothing was applied.
+        A batch that cannot be applied in chunks (stream.py) is applied again whole."""
+        try:
+            return self.one_transaction(sub, prov, node, tables, info, appliers, durable)
+        except stream.NotStreamed as e:
+            log.info("batch %d: %s; applying it whole", info.batch_id, e)
+            self.streamer.whole = info.batch_id
+            return self.one_transaction(sub, prov, node, tables, info, appliers, durable)
+        finally:
+            if self.streamer.dirty:
+                with suppress(psycopg.Error):  # or by the next streamed batch
+                    self.streamer.drop_chunks()
+
+    def one_transaction(
+        self,
+        sub: psycopg.Connection,
+        prov: psycopg.Connection,
+        node: nodes.Node,
+        tables: list[subscriber.SubscriberTable],
+        info: BatchInfo,
+        appliers: dict[str, TableApplier],
+        durable: bool,
+    ) -> BatchStats | None:
         with sub.transaction():
             sub.execute(APPLY_SETTINGS if durable else APPLY_SETTINGS_ASYNC)
             lanes = None
@@ -230,9 +253,13 @@ class Batches:
         assert info.batch_id is not None and info.cur_tick_id is not None
         carry = node.role.copies_events or bool(node.combined_queue)
         self.phases.mark("prepare")
+        streamed = None
         if rows_applied is None and info.events is not None:
             inline.stage_inline(sub, info.events)
             self.phases.mark("stage")
+        elif rows_applied is None and not carry and not node.combined_queue:
+            streamed = stream.stage(self.streamer, prov, sub, info, appliers, self.queue)  # or in chunks
+            self.phases.mark("stage" if streamed is None else "stream")
         elif rows_applied is None:
             stage_batch(prov, sub, info, carry=carry)
             self.phases.mark("stage")
@@ -240,7 +267,7 @@ class Batches:
             self.drop_partition_truncates(sub)
         elif carry:
             q.carry_events(sub, self.queue, STAGE_TABLE)
-        stats = apply_staged(sub, appliers, queue=self.queue, ddl=DdlReplay(node).replay)
+        stats = streamed or apply_staged(sub, appliers, queue=self.queue, ddl=DdlReplay(node).replay)
         if rows_applied is not None:
             stats.add(rows_applied)
         pause_point("applied-not-recorded", events=stats.count)  # written, the tick not recorded
@@ -296,3 +323,12 @@ class Batches:
             }
             self.applier_key = key
         return self.appliers
+
+
+def merge_staged(sub: psycopg.Connection, combined: str, part: str, tick: int, tables: list[str]) -> int:
+    """A merge-leaf: insert the staged row events of `tables` into this database's combined
+    queue, with new ids in the same order, and a marker saying which tick of `part` they go to
+    (a combined-failover node follows the partition's position by it)."""
+    n = q.insert_staged(sub, combined, STAGE_TABLE, tables)
+    q.insert_event(sub, combined, "pgcascade.part-tick", str(tick), part)
+    return n

@@ -47,7 +47,7 @@ from pgcascade.core.errors import UserError
 from pgcascade.core.hooks import pause_point
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
-from pgcascade.replica import inline, peer_worker
+from pgcascade.replica import inline, peer_worker, stream
 from pgcascade.replica import seqs as subscriber_seqs
 from pgcascade.replica import tables as subscriber
 from pgcascade.replica.apply import REPLICA_SESSION, TableApplier, ensure_stage
@@ -107,6 +107,7 @@ class Worker(PeerLoop, Batches, Daemon):
         self.parallel = ParallelApply(
             cfg.db, cfg.worker.apply_connections, cfg.worker.parallel_apply_min_events
         )
+        self.streamer = stream.Streamer(cfg.db, self.queue, cfg.worker.stream_chunk_events)
         self.peer_workers: dict[str, PeerLoop] = {}  # a master's: peer queue -> its worker
         self.prov_logical = False  # the provider is a two-way peer with logical capture
         self.origin_session: psycopg.Connection | None = None  # runs under the peer's replication origin
@@ -135,6 +136,7 @@ class Worker(PeerLoop, Batches, Daemon):
         self.copies.cfg = self.cfg
         self.parallel.lanes = self.cfg.worker.apply_connections
         self.parallel.min_events = self.cfg.worker.parallel_apply_min_events
+        self.streamer.chunk_events = self.cfg.worker.stream_chunk_events
         for queue, w in self.peer_workers.items():
             w.cfg = self.cfg.with_changes(queue_name=queue)
             w.reload()
@@ -209,6 +211,7 @@ class Worker(PeerLoop, Batches, Daemon):
         for w in self.peer_workers.values():
             w.drop_connections()
         self.parallel.close()
+        self.streamer.close()
         for c in (self.sub, self.prov):
             if c is not None:
                 c.close()

@@ -1,0 +1,112 @@
+"""A large batch applied in chunks while it streams (replica/stream.py): the leaf's rows equal
+the root's (an md5 of every row, by PostgreSQL) when events of one key fall in different chunks,
+when the queue's physical order is shuffled (late events), when the batch holds a TRUNCATE (it
+is applied whole), and after the worker is SIGKILLed between two chunks."""
+
+from __future__ import annotations
+
+import signal
+
+from pgcascade.dev.localcluster import wait_until
+
+CHUNK = 1000  # stream_chunk_events of the leaf's worker: the smallest allowed
+TABLES = ("public.t", "public.u")
+
+
+def setup(r) -> None:
+    """Both tables replicated and the set's own events applied; the worker stopped."""
+    for db in (r.root, r.leaf):
+        with db.connect() as conn:
+            conn.execute("create table t (id int primary key, v int, s text)")
+            conn.execute("create table u (id int primary key, v int)")
+    r.ini("leaf", r.leaf, parallel_copies=2, stream_chunk_events=CHUNK)
+    r.setup(list(TABLES), leaf_args=("--expect-sync",))
+    worker = r.start_worker()
+    r.wait_sync()
+    r.daemons.kill(worker, signal.SIGTERM)
+    worker.wait(30)
+
+
+def write_batch(r, truncate: bool = False) -> None:
+    """About 12,000 events in many transactions, each key changed in several chunks: inserts,
+    updates, deletes, keys moved, keys deleted and inserted again."""
+    with r.root.connect() as conn:
+        conn.execute("insert into t select i, i, 'a' || i from generate_series(1, 3000) i")
+        conn.execute("insert into u select i, i from generate_series(1, 2000) i")
+        conn.execute("update t set v = v + 1")
+        conn.execute("delete from t where id <= 500")
+        if truncate:
+            conn.execute("truncate u")
+        conn.execute("insert into t select i, -i, 'b' from generate_series(3001, 3500) i")
+        for lo in range(100, 2000, 400):  # small transactions, the same keys again
+            conn.execute("update t set v = v * 2, s = s || 'x' where id between %s and %s", (lo, lo + 600))
+        conn.execute("update t set id = id + 10000 where id between 2990 and 3000")
+        conn.execute("insert into t select i, 0, 'again' from generate_series(1, 200) i")
+        conn.execute("update u set v = v + 5 where id % 3 = 0")
+        conn.execute("delete from u where id % 7 = 0")
+
+
+def shuffle_queue(r) -> None:
+    """The queue's row events, written again in a random physical order: the stream then meets
+    most events after others of higher ev_id (late events in every chunk)."""
+    with r.root.connect() as conn:
+        conn.execute(
+            "with gone as (delete from pgcascade.event where ev_type in ('I', 'U', 'D') returning *)"
+            " insert into pgcascade.event select * from gone order by random()"
+        )
+
+
+def chunk_tables(r) -> int:
+    return r.leaf.scalar("select count(*) from pg_class where relname like 'pgcascade_chunk_%'")
+
+
+def applied_in_chunks(r) -> bool:
+    return "stream: " in r.log()
+
+
+def test_large_batch_in_chunks_with_late_events_equals_the_root(replica):
+    r = replica
+    setup(r)
+    write_batch(r)
+    shuffle_queue(r)
+    r.start_ticker()
+    r.start_worker()
+    r.wait_sync()
+    for t in TABLES:
+        r.assert_equal(t)
+    assert applied_in_chunks(r), r.log()[-3000:]
+    assert chunk_tables(r) == 0
+
+
+def test_batch_with_a_truncate_past_its_first_chunk_is_applied_whole(replica):
+    r = replica
+    setup(r)
+    write_batch(r, truncate=True)
+    r.start_ticker()
+    r.start_worker()
+    r.wait_sync()
+    for t in TABLES:
+        r.assert_equal(t)
+    assert "applying it whole" in r.log(), r.log()[-3000:]
+    assert chunk_tables(r) == 0
+
+
+def test_worker_sigkilled_between_chunks_leaves_nothing_and_applies_the_batch_once(replica):
+    r = replica
+    setup(r)
+    write_batch(r)
+    before = {t: r.leaf.scalar(f"select count(*) from {t}") for t in TABLES}
+    r.start_ticker()
+    pause = {"PGCASCADE_PAUSE_AT": "stream-chunk", "PGCASCADE_PAUSE_MIN_EVENTS": str(3 * CHUNK)}
+    worker = r.start_worker(env={**pause, "PGCASCADE_PAUSE_SECONDS": "120"})
+    paused = f"pause point stream-chunk (pid {worker.pid})"
+    wait_until(lambda: paused in r.log(), 120, what=paused)
+    assert chunk_tables(r) > 0  # the second session is ahead of the writes
+    r.daemons.kill(worker)
+    assert {t: r.leaf.scalar(f"select count(*) from {t}") for t in TABLES} == before
+    r.start_worker()
+    r.wait_sync()
+    for t in TABLES:
+        r.assert_equal(t)
+    assert applied_in_chunks(r)
+    assert chunk_tables(r) == 0
