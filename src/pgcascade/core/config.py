@@ -116,7 +116,7 @@ class WorkerSettings:
         20000, "the smallest batch (events) applied on several connections", minimum=1
     )
     stream_chunk_events: int = setting(
-        100000,
+        250000,
         "a larger batch is applied in chunks of this many events, each decoded by a second session"
         " while the one before is written (docs/replication.md)",
         minimum=1000,
