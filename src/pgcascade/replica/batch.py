@@ -205,9 +205,10 @@ class Batches:
             self.streamer.whole = info.batch_id
             return self.one_transaction(sub, prov, node, tables, info, appliers, durable)
         finally:
-            if self.streamer.dirty:
-                with suppress(psycopg.Error):  # or by the next streamed batch
-                    self.streamer.drop_chunks()
+            if self.streamer.dirty:  # after a streamed batch, and once after a start (a crash's)
+                with suppress(psycopg.Error):  # or after the next streamed batch
+                    self.streamer.drop_chunks(sub)
+                self.streamer.close()  # the second session is for large batches only
 
     def one_transaction(
         self,

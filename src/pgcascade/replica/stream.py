@@ -92,7 +92,7 @@ class Streamer:
     chunk_events: int
     conn: psycopg.Connection | None = None
     whole: int | None = None  # a batch to apply whole: streaming it failed
-    dirty: bool = False  # chunk tables made since the last drop_chunks
+    dirty: bool = True  # chunk tables may exist (made since the last drop_chunks, or by a crash)
 
     @property
     def prefix(self) -> str:
@@ -106,9 +106,8 @@ class Streamer:
             self.conn.execute(LANDING_DDL)
         return self.conn
 
-    def drop_chunks(self) -> None:
-        """Drop the chunk tables of this worker (the last batch's, or a crash's)."""
-        conn = self.session()
+    def drop_chunks(self, conn: psycopg.Connection) -> None:
+        """Drop the chunk tables of this worker (the last batch's, or a crash's) on `conn`."""
         names = conn.execute(
             "select format('pgcascade.%%I', relname) from pg_class where relnamespace = 'pgcascade'::regnamespace"
             " and relkind = 'r' and starts_with(relname::text, %s)",
@@ -198,8 +197,8 @@ class Chunks:
     def run(self, source: roundtrip.CopyOut) -> BatchStats:
         """Apply the first chunk (staged here), then each chunk the thread decodes, then the
         keys with late events."""
-        self.streamer.drop_chunks()
         s = self.streamer.session()
+        self.streamer.drop_chunks(s)
         s.execute(f"truncate {LANDING}")
         for a in self.appliers.values():
             self.columns[a.table] = dest_columns(self.sub, a.dest)
