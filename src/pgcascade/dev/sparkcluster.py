@@ -217,7 +217,7 @@ class SparkCluster:
         try:
             with urllib.request.urlopen(f"http://{self.address}:{self.webui_port}/json/", timeout=3) as r:
                 return json.load(r)
-        except OSError:
+        except (OSError, ValueError):  # ValueError: the UI's HTML page, served before its JSON is
             return None
 
     def applications(self) -> list[dict]:

@@ -12,8 +12,8 @@ batch is cut into chunks as it streams, still in one transaction of the apply se
 - every later chunk is relayed into a second session of the worker (`Streamer`), which checks
   it likewise, decodes it, and reduces each table's events to the last one per key into an
   unlogged table of plain typed columns (`pgcascade.pgcascade_chunk_*`), while the apply
-  session writes the chunk before it from its table (an UPDATE ... FROM over typed rows in key
-  order: 5M rows 30 -> 18 s on the same machine, the decoding, 8 s, done beside it);
+  session writes the chunk before it from its table (a MERGE over typed rows in key order:
+  5M rows 30 -> 18 s on the same machine, the decoding, 8 s, done beside it);
 - a chunk applied after another must not undo a later change: the stream is in the queue's
   physical order, which is not ev_id order (concurrent backends fill pages of their own), so
   an event at or below the highest ev_id of the chunks before it is late: it is kept aside,
@@ -23,7 +23,8 @@ batch is cut into chunks as it streams, still in one transaction of the apply se
   statement rolls the batch's transaction back, and the batch is applied whole, the old way.
 
 Exactly once is the batch's transaction's, as before: the chunks' tables are a cache (unlogged,
-dropped after each batch and by the next streamed batch if a crash left them).
+dropped after each batch, and those a crash left by the worker's first batch after it starts).
+The second session is closed after each large batch: a leaf keeps one connection otherwise.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class Streamer:
     """The worker's second session on its node, which decodes a large batch's chunks."""
 
     db: str
-    name: str  # the worker's queue and node: its chunk tables' prefix
+    name: str  # the worker's queue: its chunk tables' prefix
     chunk_events: int
     conn: psycopg.Connection | None = None
     whole: int | None = None  # a batch to apply whole: streaming it failed
