@@ -15,8 +15,10 @@ connections and the loop).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Callable
 from contextlib import suppress
 
 import psycopg
@@ -130,7 +132,8 @@ class Batches:
             except psycopg.Error as e:  # a unique violation, say: the general path resolves it
                 log.info("batch %d: %s; applying it the general way", info.batch_id, db_error_line(e))
         if stats is None:
-            stats = self.general_batch(sub, prov, node, tables, info, appliers, durable)
+            general = functools.partial(self.general_batch, sub, prov, node, tables, info, appliers, durable)
+            stats = self.general_or_whole(sub, info, general)
             if stats is None:
                 return
             if not durable:
@@ -186,6 +189,23 @@ class Batches:
         )
         q.resume_at(prov, self.queue, node.consumer, last_tick)
 
+    def general_or_whole(
+        self, sub: psycopg.Connection, info: BatchInfo, general: Callable[[], BatchStats | None]
+    ) -> BatchStats | None:
+        """The batch the general way; one that cannot be applied in chunks (stream.py) is
+        applied again whole."""
+        try:
+            return general()
+        except stream.NotStreamed as e:
+            log.info("batch %d: %s; applying it whole", info.batch_id, e)
+            self.streamer.whole = info.batch_id
+            return general()
+        finally:
+            if self.streamer.dirty:  # after a streamed batch, and once after a start (a crash's)
+                with suppress(psycopg.Error):  # or after the next streamed batch
+                    self.streamer.drop_chunks(sub)
+                self.streamer.close()  # the second session is for large batches only
+
     def general_batch(
         self,
         sub: psycopg.Connection,
@@ -196,30 +216,7 @@ class Batches:
         appliers: dict[str, TableApplier],
         durable: bool,
     ) -> BatchStats | None:
-        """Stage, carry, apply and record in one transaction; None when nothing was applied.
-        A batch that cannot be applied in chunks (stream.py) is applied again whole."""
-        try:
-            return self.one_transaction(sub, prov, node, tables, info, appliers, durable)
-        except stream.NotStreamed as e:
-            log.info("batch %d: %s; applying it whole", info.batch_id, e)
-            self.streamer.whole = info.batch_id
-            return self.one_transaction(sub, prov, node, tables, info, appliers, durable)
-        finally:
-            if self.streamer.dirty:  # after a streamed batch, and once after a start (a crash's)
-                with suppress(psycopg.Error):  # or after the next streamed batch
-                    self.streamer.drop_chunks(sub)
-                self.streamer.close()  # the second session is for large batches only
-
-    def one_transaction(
-        self,
-        sub: psycopg.Connection,
-        prov: psycopg.Connection,
-        node: nodes.Node,
-        tables: list[subscriber.SubscriberTable],
-        info: BatchInfo,
-        appliers: dict[str, TableApplier],
-        durable: bool,
-    ) -> BatchStats | None:
+        """Stage, carry, apply and record in one transaction; None when nothing was applied."""
         with sub.transaction():
             sub.execute(APPLY_SETTINGS if durable else APPLY_SETTINGS_ASYNC)
             lanes = None
