@@ -198,7 +198,10 @@ class Chunks:
     def run(self, source: roundtrip.CopyOut) -> BatchStats:
         """Apply the first chunk (staged here), then each chunk the thread decodes, then the
         keys with late events."""
-        s = self.streamer.session()
+        try:
+            s = self.streamer.session()
+        except psycopg.OperationalError as e:  # a connection limit, say: the batch goes whole
+            raise NotStreamed(f"no second session: {db_error_line(e)}") from e
         self.streamer.drop_chunks(s)
         s.execute(f"truncate {LANDING}")
         for a in self.appliers.values():
