@@ -24,6 +24,7 @@ import logging
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import psycopg
 from psycopg import sql
@@ -84,7 +85,14 @@ def ensure_stage(sub: psycopg.Connection) -> None:
         _STAGED.add(sub)
 
 
-def stage_batch(
+def stage_batch(prov: psycopg.Connection, sub: psycopg.Connection, batch: BatchInfo, **options: Any) -> int:
+    """Stream the batch's events from the provider into the subscriber's staging table; bytes
+    moved.  `options`: stage_statements'."""
+    copy_out, copy_in = stage_statements(prov, sub, batch, **options)
+    return roundtrip.relay_copy(prov, copy_out, sub, copy_in)
+
+
+def stage_statements(
     prov: psycopg.Connection,
     sub: psycopg.Connection,
     batch: BatchInfo,
@@ -93,13 +101,11 @@ def stage_batch(
     row_events: bool = True,
     peer: bool = False,
     peer_logical: bool = False,
-    copy_out: list[bytes] | None = None,
-) -> int:
-    """Stream the batch's events from the provider into the subscriber's staging table; bytes
-    moved.  `only_tables`: those tables' events only; `row_events=False`: all but row events
-    (applied elsewhere); `carry`: every field, for a branch that inserts them into its queue;
-    `peer`: a two-way peer's batch (PEER_SELECT; `peer_logical`: the peer captures logically);
-    `copy_out`: only append the provider's COPY statement to it."""
+) -> tuple[bytes, bytes]:
+    """The provider's COPY of the batch's events and the stage's COPY that takes them (the
+    stage made).  `only_tables`: those tables' events only; `row_events=False`: all but row
+    events (applied elsewhere); `carry`: every field, for a branch that inserts them into its
+    queue; `peer`: a two-way peer's batch (PEER_SELECT; `peer_logical`: it captures logically)."""
     ensure_stage(sub)
     assert batch.batch_id is not None
     batch_sql = q.unordered(batch.event_sql or q.batch_event_sql(prov, batch.batch_id))
@@ -118,11 +124,8 @@ def stage_batch(
         sql.SQL(batch_sql),  # composed by the provider's own function, with quoted literals
         sql.SQL(" where ") + sql.SQL(" and ").join(conditions) if conditions else sql.SQL(""),
     )
-    if copy_out is not None:  # the caller relays it (replica/stream.py)
-        copy_out.append(query.as_bytes(prov))
-        return 0
     copy_in = sql.SQL("copy pg_temp.pgcascade_stage ({}) from stdin").format(cols)
-    return roundtrip.relay_copy(prov, query.as_bytes(prov), sub, copy_in.as_bytes(sub))
+    return query.as_bytes(prov), copy_in.as_bytes(sub)
 
 
 def staged_barriers(sub: psycopg.Connection) -> int:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import psycopg
 from psycopg import sql
 
-from pgcascade.core import pgconn, roundtrip
+from pgcascade.core import catalog, pgconn, roundtrip
 from pgcascade.core.errors import db_error_line
 from pgcascade.core.hooks import pause_point
 from pgcascade.pgq import queue as q
@@ -50,7 +50,7 @@ from pgcascade.replica.apply import (
     BatchStats,
     TableApplier,
     apply_staged,
-    stage_batch,
+    stage_statements,
 )
 
 log = logging.getLogger("pgcascade.replay")
@@ -60,6 +60,7 @@ LANDING_DDL = (
     "create temp table if not exists pgcascade_landing"
     " (ev_id int8, ev_txid int8, ev_type text, ev_data text, ev_extra1 text)"
 )
+LANDING_COPY = f"copy {LANDING} ({STAGE_COLUMNS}) from stdin".encode()
 # per table of a staged chunk: its row events, whether all are in JSON, the highest ev_id,
 # whether any is an insert, how many are at or below the chunks' highest before it
 ROW_SUMMARY = (
@@ -147,10 +148,8 @@ def stage(
 ) -> BatchStats | None:
     """Stage the batch in the apply session's stage (None: apply_staged follows), or, past
     `chunk_events` events of row changes alone, apply it in chunks: the batch's stats."""
-    copy_out: list[bytes] = []
-    stage_batch(prov, sub, info, copy_out=copy_out)
-    into_stage = f"copy {STAGE_TABLE} ({STAGE_COLUMNS}) from stdin".encode()
-    source = roundtrip.CopyOut(prov, copy_out[0])
+    copy_out, into_stage = stage_statements(prov, sub, info)
+    source = roundtrip.CopyOut(prov, copy_out)
     try:
         source.relay(sub, into_stage, streamer.chunk_events)
         if source.ended:
@@ -205,7 +204,8 @@ class Chunks:
         self.streamer.drop_chunks(s)
         s.execute(f"truncate {LANDING}")
         for a in self.appliers.values():
-            self.columns[a.table] = dest_columns(self.sub, a.dest)
+            # every column in order: the row type's, which json_populate_record fills
+            self.columns[a.table] = [c.name for c in catalog.columns(self.sub, a.dest)]
         decoder = threading.Thread(target=self.decode, args=(source, s), name="stream-decoder", daemon=True)
         decoder.start()
         try:
@@ -236,8 +236,7 @@ class Chunks:
             while not source.ended and not self.stop.is_set():
                 number += 1
                 s.execute(f"truncate {LANDING}")
-                into = f"copy {LANDING} ({STAGE_COLUMNS}) from stdin".encode()
-                if source.relay(s, into, self.streamer.chunk_events)[0]:
+                if source.relay(s, LANDING_COPY, self.streamer.chunk_events)[0]:
                     self.ready.put(self.decoded(s, number))
             self.ready.put(None)
         except BaseException as e:  # to the apply session's thread, which raises it
@@ -249,9 +248,9 @@ class Chunks:
             raise NotStreamed(f"chunk {number} holds other than row changes of set-based tables")
         rows, others = found
         chunk = Chunk(number, sum(r[1] for r in rows) + len(others), [], others)
-        self.decoded_stats.count += len(others)
+        stats = self.decoded_stats
+        stats.count += len(others)
         for i, (t, n, _plain, _top, inserts, late) in enumerate(sorted(rows, key=lambda r: str(r[0]))):
-            stats = self.decoded_stats
             stats.count += n
             stats.per_table[t] = stats.per_table.get(t, 0) + n
             a = self.appliers.get(t)
@@ -281,8 +280,9 @@ class Chunks:
 
     def write(self, a: TableApplier, net: sql.Composable, inserts: bool) -> None:
         assert a.shape is not None
-        shape = a.shape
-        statement = applysql.set_based_sql(shape, net=net) if inserts else applysql.merge_sql(shape, net=net)
+        statement = (
+            applysql.set_based_sql(a.shape, net=net) if inserts else applysql.merge_sql(a.shape, net=net)
+        )
         self.sub.execute(NESTED)
         self.sub.execute(statement, {"t": a.table, "lo": 0, "hi": 0, "skip": None}, prepare=False)
         self.sub.execute(UNNESTED)
@@ -297,16 +297,6 @@ class Chunks:
             a = self.appliers[table]
             mine = [name for chunk in self.done for t, name, _ in chunk.tables if t.table == table]
             self.write(a, late_net(a, self.columns[table], [*mine, *names], names), inserts=True)
-
-
-def dest_columns(sub: psycopg.Connection, dest: str) -> list[str]:
-    """The destination's columns in order: the row type's, which json_populate_record fills."""
-    rows = sub.execute(
-        "select attname from pg_attribute where attrelid = %s::regclass and attnum > 0 and not attisdropped"
-        " order by attnum",
-        (dest,),
-    ).fetchall()
-    return [r[0] for r in rows]
 
 
 def row_of(a: TableApplier, columns: list[str]) -> sql.Composed:
