@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Server CPU per TPC-B transaction on the root, by capture mode: none, trigger, logical.
+"""Server CPU per TPC-B transaction on the root, by capture mode: none, trigger, logical, londiste.
 
 One throwaway cluster (fsync and synchronous_commit on, shared_buffers 1GB), pgbench scale 1
 (`pgbench_history` with `hid bigserial primary key`), one client: `pgbench -n -c1 -t N` ROUNDS
@@ -7,10 +7,13 @@ times per mode, the order rotating; the median is reported.  The CPU is that of 
 server backend (`/proc/PID/stat` utime + stime, sampled every 10 ms until it exits): what the
 application's own transactions cost the server.  The logical mode runs its capture daemon; its
 Python CPU and its database backend's (which decodes the WAL and inserts the events) are
-reported apart: they run off the application's path, but on the same machine.
+reported apart: they run off the application's path, but on the same machine.  `londiste` is
+Londiste 3's capture: PgQ's C trigger `pgq.logutriga` on the tables (bench/install-peers.sh).
+`--single` runs single-row UPDATEs of pgbench_accounts, each its own transaction, instead of
+TPC-B: the trigger's cost per statement.
 
-    .venv/bin/python bench/capture_cpu.py [--txns 4000] [--rounds 3] [--modes none,trigger,logical]
-                                          [--variant NAME=FILE.sql ...]
+    .venv/bin/python bench/capture_cpu.py [--txns 4000] [--rounds 3] [--modes none,trigger,logical,londiste]
+                                          [--variant NAME=FILE.sql ...] [--single]
 
 `--variant NAME=FILE.sql` adds a trigger mode whose capture functions come from FILE.sql (an
 older 90_capture.sql, say): measured in the same run, interleaved, so that the comparison
@@ -68,6 +71,16 @@ def prepare(
         conn.execute("vacuum analyze")
     if mode == "none":
         return None
+    if mode == "londiste":
+        with c.connect(db) as conn:
+            conn.execute("create extension pgq")
+            conn.execute("select pgq.create_queue('q')")
+            for t in TABLES:
+                conn.execute(
+                    f"create trigger _londiste_q after insert or update or delete on {t}"
+                    " for each row execute procedure pgq.logutriga('q')"
+                )
+        return None
     ini = work / f"{mode}.ini"
     ini.write_text(
         f"[pgcascade]\njob_name = cap_{mode}\ndb = {c.connstr(db)}\nqueue_name = q\n"
@@ -104,11 +117,11 @@ def capture_backend_pids(c: LocalCluster, db: str) -> list[int]:
     return [r[0] for r in rows]
 
 
-def backend_cpu_of_run(c: LocalCluster, db: str, txns: int) -> float:
-    """Run pgbench and return the CPU seconds of its server backend (sampled every 10 ms until
-    it exits: at most 10 ms short)."""
+def backend_cpu_of_run(c: LocalCluster, db: str, txns: int, script: Path | None = None) -> float:
+    """Run pgbench (TPC-B, or `script`) and return the CPU seconds of its server backend
+    (sampled every 10 ms until it exits: at most 10 ms short)."""
     p = subprocess.Popen(
-        [PGBENCH, "-n", "-c1", "-t", str(txns), c.connstr(db)],
+        [PGBENCH, "-n", "-c1", "-t", str(txns), *(["-f", str(script)] if script else []), c.connstr(db)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
@@ -129,7 +142,9 @@ def backend_cpu_of_run(c: LocalCluster, db: str, txns: int) -> float:
     return sum(seen.values())
 
 
-def run_round(c: LocalCluster, mode: str, txns: int, daemon: subprocess.Popen | None) -> dict:
+def run_round(
+    c: LocalCluster, mode: str, txns: int, daemon: subprocess.Popen | None, script: Path | None = None
+) -> dict:
     db = f"cpu_{mode}"
     with c.connect() as conn:
         conn.execute("checkpoint")
@@ -138,7 +153,7 @@ def run_round(c: LocalCluster, mode: str, txns: int, daemon: subprocess.Popen | 
     d0 = proc_times(dpid, False) if dpid else 0.0
     b0 = sum(proc_times(p, False) for p in bpids)
     t0 = time.monotonic()
-    cpu = backend_cpu_of_run(c, db, txns)
+    cpu = backend_cpu_of_run(c, db, txns, script)
     if daemon:
         with c.connect(db) as conn:
             logical.wait_captured(conn, "q", 120)  # the wait wait-sync makes
@@ -161,11 +176,18 @@ def main() -> int:
     ap.add_argument(
         "--variant", action="append", default=[], help="NAME=FILE.sql: trigger capture with these functions"
     )
+    ap.add_argument("--single", action="store_true", help="single-row UPDATEs instead of TPC-B")
     args = ap.parse_args()
     variants = dict(v.split("=", 1) for v in args.variant)
     modes = args.modes.split(",") + list(variants)
     work = Path(tempfile.mkdtemp(prefix="pgcascade-cpu-"))
     work.chmod(0o755)
+    script = None
+    if args.single:
+        script = work / "single.sql"
+        script.write_text(
+            "\\set aid random(1, 100000)\nupdate pgbench_accounts set abalance = abalance + 1 where aid = :aid;\n"
+        )
     c = new_cluster(
         "cpu",
         basedir=work / "cluster",
@@ -180,7 +202,7 @@ def main() -> int:
         for rnd in range(args.rounds):
             order = modes[rnd % len(modes) :] + modes[: rnd % len(modes)]
             for m in order:
-                r = run_round(c, m, args.txns, daemons[m])
+                r = run_round(c, m, args.txns, daemons[m], script)
                 results[m].append(r)
                 print(f"round {rnd + 1} {m}: server {r['server_us']:.0f} us/txn, daemon {r['daemon_us']:.0f}")
     finally:

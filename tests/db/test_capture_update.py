@@ -222,3 +222,38 @@ def test_a_key_column_type_changes_through_execute(replica, tmp_path):
     with replica.root.connect() as conn, pytest.raises(psycopg.errors.DatatypeMismatch):
         conn.execute("alter table a alter column id type date")
     assert "_pgcascade_capture_key" in capture_triggers(replica.root, "a")
+
+
+def test_events_name_their_table_as_the_set_does(replica):
+    # the capture functions write the table's name as a literal (a `%` and quotes in it must
+    # survive the two format() passes that build them), a partitioned table's from its partitions
+    schema, plain, parted = '"Odd ""S"""', '"100% ""sure"""', '"p%s"'
+    ddl = [
+        f"create schema {schema}",
+        f"create table {schema}.{plain} (id int primary key, v text)",
+        f"create table {schema}.{parted} (id int primary key, v text) partition by range (id)",
+        f'create table {schema}."p%s_all" partition of {schema}.{parted} for values from (0) to (1000)',
+    ]
+    run(replica.root, *ddl)
+    run(replica.leaf, *ddl)
+    tables = [f"{schema}.{plain}", f"{schema}.{parted}"]
+    replica.setup(tables, leaf_args=())
+    replica.start_ticker()
+    replica.start_worker()
+    with replica.root.connect() as conn:
+        for t in tables:
+            conn.execute(f"insert into {t} select i, 'v' || i from generate_series(1, 20) i")
+            conn.execute(f"update {t} set v = v || '!' where id <= 10")
+            conn.execute(f"update {t} set id = id + 100 where id = 11")
+            conn.execute(f"delete from {t} where id between 15 and 17")
+    names = [
+        r[0]
+        for r in rows(
+            replica.root,
+            "select distinct ev_extra1 from pgcascade.event where ev_type in ('I', 'U', 'D') order by 1",
+        )
+    ]
+    assert names == sorted(tables)
+    replica.wait_sync()
+    assert_same_rows(replica, *tables)
+    assert rows(replica.leaf, f"select count(*) from {tables[0]}") == [(17,)]

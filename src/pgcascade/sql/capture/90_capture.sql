@@ -156,8 +156,10 @@ declare
     -- a partitioned table: its partitions' triggers call the same functions, and a row-level
     -- one captures partitions attached since, until they have theirs (91_capture_partitions.sql)
     partitioned bool := (select relkind = 'p' from pg_class where oid = i_table);
-    name_expr text := 'pg_catalog.format(''%%I.%%I'', TG_TABLE_SCHEMA, TG_TABLE_NAME)';
     part_check text := '';
+    -- the set's name of the table, a literal in the INSERT: no variable to assign and no
+    -- format() of TG_TABLE_SCHEMA at each statement (bench/capture_cpu.py); a partition's
+    -- events carry it too, and a rename of a set table is refused (docs/ddl.md)
     table_lit text := quote_literal(pgcascade.canonical_name(i_table));
     ring text;  -- wakes the queue's listening consumers (05_doorbell.sql)
     -- origin_rare(), built into the INSERT: no call of an SQL function and no composite
@@ -170,8 +172,7 @@ begin
     q := pgcascade.find_queue(i_queue);
     ring := replace(pgcascade.ring_sql(q), '%', '%%');
     if partitioned then
-        -- events of a partition carry the table's name; one detached since is not ours any more
-        name_expr := replace(table_lit, '%', '%%');
+        -- one detached since is not ours any more
         part_check := format($p$
     if TG_RELID OPERATOR(pg_catalog.<>) %s::pg_catalog.oid
        and not coalesce(pg_catalog.pg_partition_root(TG_RELID)::pg_catalog.oid OPERATOR(pg_catalog.=) %s::pg_catalog.oid, false) then
@@ -195,12 +196,12 @@ begin
     -- ev_extra4 (in ev_rare) names the master a two-way peer's apply wrote the change for: its
     -- peers skip such events (no echo), leaves under this master apply them
     q_insert := format('insert into pgcascade.%I (ev_id, ev_time, ev_part, ev_type, ev_data, ev_extra1, ev_rare)'
-                       ' select pg_catalog.nextval(%L::pg_catalog.regclass), pg_catalog.now(), %s, %%s, %%s, v_table, '
+                       ' select pg_catalog.nextval(%L::pg_catalog.regclass), pg_catalog.now(), %s, %%s, %%s, %s, '
                        || rare || ' from %%s',
                        pgcascade.queue_part_name(q.queue_id, q.queue_cur_table),
                        (select format('%I.%I', n.nspname, c.relname) from pg_class c
                           join pg_namespace n on n.oid = c.relnamespace where c.oid = q.queue_event_seq),
-                       q.queue_id * 16 + q.queue_cur_table);
+                       q.queue_id * 16 + q.queue_cur_table, replace(table_lit, '%', '%%'));
     if i_format = 'json' then
         img_new := pgcascade.json_image_expr('n', i_table);  -- n.* stays the row even if a column is named n
         img_old := pgcascade.json_image_expr('o', i_table);
@@ -240,8 +241,6 @@ end $f$, msg));
         -- a peer's apply that no subscriber under this master needs passed on says so
         -- (pgcascade.forward = off, pgcascade.peer_apply_begin): nothing to write
         body := $f$
-declare
-    v_table text := $f$ || name_expr || $f$;
 begin$f$ || replace(part_check, '%', '%%') || $f$
     if pg_catalog.current_setting('pgcascade.forward', true) OPERATOR(pg_catalog.=) 'off' then  -- set with pgcascade.origin
         return null;
@@ -272,8 +271,6 @@ end $f$;
             -- would be captured in an order whose net effect loses rows
             execute format('create or replace function pgcascade.%I() returns trigger language plpgsql%s as %L',
                 fn || '_row', fn_definer || fn_settings, format($f$
-declare
-    v_table text := %s;
 begin
     if TG_OP = 'INSERT' then
         %s;
@@ -286,7 +283,7 @@ begin
         %s;
     end if;$f$ || ring || $f$
     return null;
-end $f$, table_lit,
+end $f$,
                 format(q_insert, '''I''', img_new, '(select NEW.*) n'),
                 format(q_insert, '''D''', img_old, '(select OLD.*) o'),
                 array_to_string(array(select format('NEW.%I', c) from unnest(i_keys) c), ', '),
