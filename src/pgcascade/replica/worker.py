@@ -250,10 +250,10 @@ class Worker(PeerLoop, Batches, Daemon):
         w.metrics = self.metrics
         return w
 
-    def rings(self) -> bool:
-        """Whether this worker's provider ticks on demand and no change came for a while: it
-        rings the queue's doorbell before it sleeps."""
-        return self.polls and self.poll_delay >= LISTEN_AFTER
+    def rings(self, after: float = LISTEN_AFTER) -> bool:
+        """Whether this worker's provider ticks on demand and no change came for a while (its
+        poll delay reached `after`): it rings the queue's doorbell before it sleeps."""
+        return self.polls and self.poll_delay >= after
 
     def listen(self, seconds: float) -> float:
         """A consumer that makes its provider's ticks: ring the queue's doorbell and say how long
