@@ -50,6 +50,10 @@ log = logging.getLogger("pgcascade.replay")
 
 # APPLY_SETTINGS in one statement (a pipeline takes one statement per call)
 SETTINGS = "select set_config('session_replication_role', 'replica', true), set_config('synchronous_commit', 'on', true)"
+# and for a batch in one round trip, generic plans: a statement is PREPAREd again every second
+# (prepared.py), and the plan cache made its first five executions custom plans, each planned
+# anew (the apply statement's planning was 6% of the worker's backend CPU at 200 tps a master)
+ONE_TRIP_SETTINGS = SETTINGS + ", set_config('plan_cache_mode', 'force_generic_plan', true)"
 SMALL_BATCH = 2000  # events of a batch applied in one round trip, from memory,
 SMALL_EVENT = 16384  # each of at most this many bytes of data (memory stays bounded)
 # the peer's own events and the DDL it passed on (worker.py waits for its origin), a larger
@@ -195,7 +199,7 @@ def apply_in_one(
     ]
     statements = [
         b"begin",
-        bind(SETTINGS + ", set_config(%s, %s, true)" * len(settings), [v for pair in settings for v in pair]),
+        bind(ONE_TRIP_SETTINGS + ", set_config(%s, %s, true)" * len(settings), [v for pair in settings for v in pair]),
         bind(
             "select pgcascade.peer_batch_begin(%s, %s, %s, %s, %s)",
             (node.peer_of, node.queue_name, node.provider_node, info.prev_tick_id, state.policies_hash),
