@@ -12,8 +12,8 @@ batch's events as JSON arrays in settings of the transaction (each table's in it
 markers in another: peer_apply.peer_events), the checks the step-by-step way makes by looking
 (`pgcascade.peer_batch_begin` refuses the batch when the node is not where the batch starts,
 or the policies changed), each table's two statements (peer_apply.py) PREPAREd (prepared.py:
-values as literals, the tick as their one parameter), the markers (`pgcascade.peer_batch_done`
-reads the same setting), the tick and COMMIT.  Nothing is staged: a transaction that touches the temporary stage pays for its
+values as literals, the tick as their one parameter), the markers and the tick applied
+(`pgcascade.peer_batch_end`; its peer_batch_done reads the same setting) and COMMIT.  Nothing is staged: a transaction that touches the temporary stage pays for its
 truncation at commit, more than the rest of a small batch.  Such a batch never holds a TRUNCATE
 (FAST_TYPES), which reads the stage (94_two_way_truncate.sql).  Any other batch, or one refused
 or failing so, goes step by step: BEGIN, one pipeline, the COPY of the events, the barriers'
@@ -70,6 +70,7 @@ Fresh = tuple[nodes.Node, list[subscriber.SubscriberTable]]
 REFUSED = ("PCB01", "PCB02")  # pgcascade.peer_batch_begin: go step by step
 FAST_TYPES = frozenset({"I", "U", "D", PEER_SEEN})
 BATCH_DONE = "select pgcascade.peer_batch_done(%s, %s, %s, %s, %s)"
+BATCH_END = "select pgcascade.peer_batch_end(%s, %s, %s, %s, %s)"  # and the tick applied, the sequences
 
 
 @dataclass
@@ -199,7 +200,10 @@ def apply_in_one(
     ]
     statements = [
         b"begin",
-        bind(ONE_TRIP_SETTINGS + ", set_config(%s, %s, true)" * len(settings), [v for pair in settings for v in pair]),
+        bind(
+            ONE_TRIP_SETTINGS + ", set_config(%s, %s, true)" * len(settings),
+            [v for pair in settings for v in pair],
+        ),
         bind(
             "select pgcascade.peer_batch_begin(%s, %s, %s, %s, %s)",
             (node.peer_of, node.queue_name, node.provider_node, info.prev_tick_id, state.policies_hash),
@@ -209,9 +213,7 @@ def apply_in_one(
             for _t, (lock, stmt) in todo
             for s in (prepared.execute(lock), prepared.execute(stmt, str(info.cur_tick_id).encode()))
         ),
-        bind(BATCH_DONE, (peer.own_queue, node.queue_name, peer.peer, info.cur_tick_id, snapshot)),
-        bind(nodes.RECORD_APPLIED, (info.cur_tick_id, node.queue_name)),
-        bind(subscriber_seqs.SEQS, (node.queue_name,)),
+        bind(BATCH_END, (peer.own_queue, node.queue_name, peer.peer, info.cur_tick_id, snapshot)),
         b"commit",
         *(prepared.execute(body) for body in reads),
     ]
@@ -219,9 +221,8 @@ def apply_in_one(
     # sequences, the node and its tables
     *results, seqs, _commit, now, tables = prepared.run(sub, statements)
     stats.conflicts = sum(int(roundtrip.load_rows(sub, results[4 + 2 * i])[0][0]) for i in range(len(todo)))
-    if roundtrip.load_rows(
-        sub, seqs
-    ):  # as a rule none: they only ever move up, so after the commit is as good
+    if roundtrip.load_rows(sub, seqs)[0][0]:
+        # as a rule none: they only ever move up, so after the commit is as good
         subscriber_seqs.sync_sequences(prov, sub, node.queue_name)
     fresh = (
         roundtrip.load_rows(sub, now, nodes.node_from)[0],

@@ -289,6 +289,21 @@ begin
     end if;
 end $$;
 
+-- pgcascade.peer_batch_end(own_queue, peer_queue, peer, tick, tick_snapshot) -> whether the node
+-- follows sequences of its peer: the end of a small peer batch applied in one round trip
+-- (replica/peer_worker.py), peer_batch_done and the tick recorded as applied in one call (each
+-- statement of that message costs its parse and plan).
+create or replace function pgcascade.peer_batch_end(
+    i_own_queue text, i_peer_queue text, i_peer text, i_tick int8, i_snapshot text)
+returns bool
+language plpgsql as $$
+begin
+    perform pgcascade.peer_batch_done(i_own_queue, i_peer_queue, i_peer, i_tick, i_snapshot);
+    update pgcascade.node set last_tick = i_tick, last_error = null, last_error_time = null
+     where queue_name = i_peer_queue;
+    return exists (select 1 from pgcascade.subscriber_seq where queue_name = i_peer_queue);
+end $$;
+
 -- pgcascade.spread_sequence(seq, step, start) -> void: a two-way master's share of a sequence:
 -- every step-th value from start on (its peers take the other residues).
 create or replace function pgcascade.spread_sequence(i_seq regclass, i_step int4, i_start int8) returns void
