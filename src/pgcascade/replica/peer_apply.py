@@ -157,6 +157,61 @@ def inline_statement(sub: psycopg.Connection, t: PeerTable, peer: PeerBatch) -> 
     return found
 
 
+def insert_only_statement(sub: psycopg.Connection, t: PeerTable, peer: PeerBatch) -> bytes:
+    """A table's statement of a small batch whose events of the table are all inserts (as a
+    table of appended rows has): the rows and their versions written at once, without the lock
+    and the judging, when nothing here could make one of them a conflict - none of the keys is
+    here or has a version (a tombstone), no key comes twice, the table was never truncated.
+    Else it fails with SQLSTATE PCROW, having written nothing, and the worker applies the batch
+    with the judging statements (an insert of a key present here is an insert/insert conflict,
+    over a tombstone or a TRUNCATE the peer may not have seen). PREPAREd as inline_statement's,
+    the tick its one parameter."""
+    key = (peer.peer, peer.me, INSERT_ONLY, True)
+    found = t.peer_sql.get(key)
+    if found is None:
+        parts = TableParts.of(sub, t)
+        body = sql.SQL(INSERT_ONLY_STATEMENT).format(
+            rkeys=parts.rkeys,
+            populate=parts.populate,
+            source=peer_events(events_setting(t.table)),
+            ins=parts.insert("ins", sql.SQL("ev d where not (select b from blocked)")),
+            peer=sql.Literal(peer.peer),
+            tick=TICK_PARAM,
+            dest_name=sql.Literal(t.dest),
+            signature=sql.Literal(parts.signature),
+        )
+        values = params(t, 0, 2**63 - 1, peer)
+        found = t.peer_sql[key] = (
+            b"",
+            psycopg.ClientCursor(sub).mogrify(body.as_bytes(sub), values).encode(),
+        )
+    return found[1]
+
+
+INSERT_ONLY = "insert-only"  # peer_sql's key of insert_only_statement (in the place of a policy)
+INSERT_ONLY_STATEMENT = (
+    "with ev as materialized ("
+    "  select s.ev_time as remote_time, jsonb_build_array({rkeys}) as row_key, r"
+    "    from {source} s cross join lateral {populate} r where s.ev_type = 'I'),"
+    " blocked as (select exists (select 1 from pgcascade.table_truncate where table_name = %(t)s)"
+    "                 or exists (select 1 from ev join pgcascade.row_version v"
+    "                             on v.table_name = %(t)s and v.row_key = ev.row_key)"
+    "                 or (select count(distinct row_key) <> count(*) from ev) as b),"
+    " {ins},"
+    " rv as (insert into pgcascade.row_version as v (table_name, row_key, origin, origin_tick, origin_time,"
+    "        xid, deleted)"
+    "   select %(t)s, row_key, {peer}, {tick}, remote_time, pg_current_xact_id(), false"
+    "     from ev where not (select b from blocked)"
+    "   on conflict (table_name, row_key) do update set origin = excluded.origin,"
+    "      origin_tick = excluded.origin_tick, origin_time = excluded.origin_time, xid = excluded.xid,"
+    "      deleted = excluded.deleted)"
+    # every row inserted, or nothing stands (PCROW: -1 when blocked); no conflict (0)
+    " select case when pgcascade.expect_rows((select count(*) from ins),"
+    "                 case when (select b from blocked) then -1 else (select count(*) from ev) end) then 0 end"
+    "   + pgcascade.peer_columns_check({dest_name}::regclass, {signature})"
+)
+
+
 def lock(sub: psycopg.Connection, t: PeerTable, source: sql.Composable = STAGE) -> sql.Composed:
     """The statement that locks the local rows of the keys the batch changes, in key order,
     before the apply statement reads them (see the module's docstring); the events are read
@@ -179,6 +234,51 @@ def params(t: PeerTable, lo: int, hi: int, peer: PeerBatch) -> dict:
     return {"t": t.table, "lo": lo, "hi": hi, "tick": peer.tick, "queue": peer.queue}
 
 
+@dataclass(frozen=True)
+class TableParts:
+    """What the statements of a table are composed from, as its columns are here now."""
+
+    dest: str
+    keys: list[str]
+    cols: list[catalog.Column]  # every column but the generated ones
+    signature: str  # pgcascade.columns_signature: the apply checks it is still the same
+    populate: (
+        sql.Composed
+    )  # the row of an event (s.ev_data), with the values of old rows for columns it lacks
+    rkeys: sql.Composed  # r.key, ...
+
+    @classmethod
+    def of(cls, sub: psycopg.Connection, t: PeerTable) -> TableParts:
+        """The table's parts, read from the catalog."""
+        cols = [c for c in catalog.columns(sub, t.dest) if not c.generated]
+        base, signature = sub.execute(
+            "select pgcascade.missing_row_expr(%s::regclass), pgcascade.columns_signature(%s::regclass)",
+            (t.dest, t.dest),
+        ).fetchone() or ("", "")
+        populate = sql.SQL(
+            "pgcascade.event_row({}, s.ev_data)"
+            if t.json_nulls
+            else "json_populate_record({}, s.ev_data::json)"
+        ).format(sql.SQL(base))
+        rkeys = sql.SQL(", ").join(sql.SQL("r.{}").format(sql.Identifier(k)) for k in t.keys)
+        return cls(t.dest, t.keys, cols, signature, populate, rkeys)
+
+    def insert(self, name: str, source: sql.Composable) -> sql.Composed:
+        """The CTE `name` that inserts the rows `r` of `source` (aliased d) whose keys are absent."""
+        return sql.SQL(
+            "{name} as (insert into {dest} ({cols}){overriding} select {rcols} from {source}"
+            " on conflict ({keys}) do nothing returning 1)"
+        ).format(
+            name=sql.Identifier(name),
+            dest=sql.SQL(self.dest),
+            cols=sql.SQL(", ").join(sql.Identifier(c.name) for c in self.cols),
+            overriding=sql.SQL(" overriding system value" if any(c.identity for c in self.cols) else ""),
+            rcols=sql.SQL(", ").join(sql.SQL("(d.r).{}").format(sql.Identifier(c.name)) for c in self.cols),
+            source=source,
+            keys=sql.SQL(", ").join(map(sql.Identifier, self.keys)),
+        )
+
+
 def compose(
     sub: psycopg.Connection,
     t: PeerTable,
@@ -195,16 +295,9 @@ def compose(
     since the worker read them): one the peer's image lacks gets the value of old rows
     (missing_row_expr), one only the peer has is left out."""
     dest = sql.SQL(t.dest)  # canonical name, quoted by the server
-    cols = [c for c in catalog.columns(sub, t.dest) if not c.generated]
-    base, signature = sub.execute(
-        "select pgcascade.missing_row_expr(%s::regclass), pgcascade.columns_signature(%s::regclass)",
-        (t.dest, t.dest),
-    ).fetchone() or ("", "")
-    rkeys = sql.SQL(", ").join(sql.SQL("r.{}").format(sql.Identifier(k)) for k in t.keys)
+    parts = TableParts.of(sub, t)
+    cols, signature, populate, rkeys = parts.cols, parts.signature, parts.populate, parts.rkeys
     match = sql.SQL(" and ").join(sql.SQL("t.{0} = (n.r).{0}").format(sql.Identifier(k)) for k in t.keys)
-    populate = sql.SQL(
-        "pgcascade.event_row({}, s.ev_data)" if t.json_nulls else "json_populate_record({}, s.ev_data::json)"
-    ).format(sql.SQL(base))
     non_keys = [c.name for c in cols if c.name not in t.keys]
     # each write names the rows it must touch; a row that changed since the statement's snapshot
     # is not touched (its ctid is another one now), and the counts say so
@@ -213,16 +306,8 @@ def compose(
             "del as (delete from {dest} t using dec d"
             " where t.ctid = d.local_ctid and d.winner = 'remote' and d.ev_type = 'D' returning 1)"
         ).format(dest=dest),
-        "ins": sql.SQL(
-            "ins as (insert into {dest} ({cols}){overriding} select {rcols} from dec d"
-            " where not d.local_exists and d.winner = 'remote' and d.ev_type <> 'D'"
-            " on conflict ({keys}) do nothing returning 1)"
-        ).format(
-            dest=dest,
-            cols=sql.SQL(", ").join(sql.Identifier(c.name) for c in cols),
-            overriding=sql.SQL(" overriding system value" if any(c.identity for c in cols) else ""),
-            rcols=sql.SQL(", ").join(sql.SQL("(d.r).{}").format(sql.Identifier(c.name)) for c in cols),
-            keys=sql.SQL(", ").join(map(sql.Identifier, t.keys)),
+        "ins": parts.insert(
+            "ins", sql.SQL("dec d where not d.local_exists and d.winner = 'remote' and d.ev_type <> 'D'")
         ),
     }
     expected = {

@@ -23,8 +23,10 @@ look-up, one pipeline of the tables' statements, one of the bookkeeping, and COM
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
+import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -69,6 +71,9 @@ SMALL_SELECT = (
 Fresh = tuple[nodes.Node, list[subscriber.SubscriberTable]]
 REFUSED = ("PCB01", "PCB02")  # pgcascade.peer_batch_begin: go step by step
 FAST_TYPES = frozenset({"I", "U", "D", PEER_SEEN})
+# a table whose insert-only statement found a reason to judge is applied by its judging
+# statements for this long (as inline.py's ONE_KIND_PAUSE)
+INSERT_ONLY_PAUSE = 60.0
 BATCH_DONE = "select pgcascade.peer_batch_done(%s, %s, %s, %s, %s)"
 BATCH_END = "select pgcascade.peer_batch_end(%s, %s, %s, %s, %s)"  # and the tick applied, the sequences
 
@@ -170,22 +175,69 @@ def apply_in_one(
     snapshot: str,
 ) -> tuple[BatchStats, Fresh]:
     """The small batch `events` in one round trip (the module's docstring), and the node and
-    its tables as read after the commit, for the next round."""
+    its tables as read after the commit, for the next round.  A table whose events are all
+    inserts is applied by its insert-only statement (peer_apply.insert_only_statement); if one
+    finds a reason to judge, the message is sent again with every table's judging statements,
+    and that table's next batches go so for INSERT_ONLY_PAUSE seconds."""
+    message = functools.partial(one_message, sub, prov, node, info, appliers, state, events, snapshot)
+    try:
+        return message(insert_only=True)
+    except psycopg.Error as e:
+        if e.sqlstate != "PCROW":
+            raise
+        log.info(
+            "peer batch %s: %s; applying it with the judging statements", info.cur_tick_id, db_error_line(e)
+        )
+    pause = time.monotonic() + INSERT_ONLY_PAUSE
+    for table in inserts_only(events):
+        if table in appliers:
+            appliers[table].one_kind_after = pause
+    return message(insert_only=False)
+
+
+def inserts_only(events: list[tuple]) -> set[str]:
+    """The tables whose row events in `events` are all inserts."""
+    kinds: dict[str, set[str]] = {}
+    for e in events:
+        if e[2] != PEER_SEEN:
+            kinds.setdefault(e[4], set()).add(e[2])
+    return {t for t, k in kinds.items() if k == {"I"}}
+
+
+def one_message(
+    sub: psycopg.Connection,
+    prov: psycopg.Connection,
+    node: nodes.Node,
+    info: BatchInfo,
+    appliers: dict[str, TableApplier],
+    state: PeerState,
+    events: list[tuple],
+    snapshot: str,
+    insert_only: bool,
+) -> tuple[BatchStats, Fresh]:
+    """apply_in_one's round trip; with `insert_only`, tables whose events are all inserts are
+    applied by their insert-only statements (unless paused)."""
     assert info.cur_tick_id is not None and node.peer_of is not None and node.provider_node is not None
     assert state.policies is not None
     peer = state.batch(node, info.cur_tick_id)
     stats = BatchStats(count=len(events))
     rows = Counter(e[4] for e in events if e[2] != PEER_SEEN)
-    todo = []
+    fast = inserts_only(events) if insert_only else set()
+    now = time.monotonic()
+    todo: list[tuple[str, tuple[bytes, ...]]] = []  # each table's statements, the last its conflicts
     for table, n in sorted(rows.items()):
         stats.per_table[table] = n
         a = appliers.get(table)
         if a is None:
             stats.ignored += n
-        else:  # composed before the message: composing reads the catalog
+        elif (
+            table in fast and a.one_kind_after <= now
+        ):  # composed before the message: composing reads the catalog
+            todo.append((table, (peer_apply.insert_only_statement(sub, a, peer),)))
+        else:
             todo.append((table, peer_apply.inline_statement(sub, a, peer)))
     reads = inline.read_statements(sub, node.queue_name)
-    prepared.ensure(sub, [*(body for _t, pair in todo for body in pair), *reads])
+    prepared.ensure(sub, [*(body for _t, bodies in todo for body in bodies), *reads])
     bind = functools.partial(roundtrip.compose, sub)
     settings = [
         (peer_apply.SEEN_SETTING, as_json(e for e in events if e[2] == PEER_SEEN)),
@@ -198,6 +250,10 @@ def apply_in_one(
             for table, _ in todo
         ),
     ]
+    tick = str(info.cur_tick_id).encode()
+    applies = [
+        prepared.execute(body, tick if body is bodies[-1] else b"") for _t, bodies in todo for body in bodies
+    ]
     statements = [
         b"begin",
         bind(
@@ -208,24 +264,22 @@ def apply_in_one(
             "select pgcascade.peer_batch_begin(%s, %s, %s, %s, %s)",
             (node.peer_of, node.queue_name, node.provider_node, info.prev_tick_id, state.policies_hash),
         ),
-        *(
-            s
-            for _t, (lock, stmt) in todo
-            for s in (prepared.execute(lock), prepared.execute(stmt, str(info.cur_tick_id).encode()))
-        ),
+        *applies,
         bind(BATCH_END, (peer.own_queue, node.queue_name, peer.peer, info.cur_tick_id, snapshot)),
         b"commit",
         *(prepared.execute(body) for body in reads),
     ]
-    # one message, as inline.py; a result per statement: the apply statements' conflicts, the
-    # sequences, the node and its tables
-    *results, seqs, _commit, now, tables = prepared.run(sub, statements)
-    stats.conflicts = sum(int(roundtrip.load_rows(sub, results[4 + 2 * i])[0][0]) for i in range(len(todo)))
+    # one message, as inline.py; a result per statement: the apply statements' conflicts (each
+    # table's last), the sequences, the node and its tables
+    results = prepared.run(sub, statements)
+    ends = itertools.accumulate(len(bodies) for _t, bodies in todo)
+    stats.conflicts = sum(int(roundtrip.load_rows(sub, results[2 + end])[0][0]) for end in ends)
+    seqs, _commit, now_row, tables = results[-4:]
     if roundtrip.load_rows(sub, seqs)[0][0]:
         # as a rule none: they only ever move up, so after the commit is as good
         subscriber_seqs.sync_sequences(prov, sub, node.queue_name)
     fresh = (
-        roundtrip.load_rows(sub, now, nodes.node_from)[0],
+        roundtrip.load_rows(sub, now_row, nodes.node_from)[0],
         roundtrip.load_rows(sub, tables, subscriber.table_from),
     )
     return stats, fresh
