@@ -34,13 +34,15 @@ declare
     xmax_now int8 := pg_snapshot_xmax(now_snap)::text::int8;
     xid xid8;
 begin
+    -- (markers filtered in the probe: a master writes one in a transaction of its own with every
+    -- peer batch it applies, and skipping them one probe and one check each took 0.13 ms a call
+    -- at 200 tps a master)
     loop
         select min(ev_txid) into x from pgcascade.event
-         where ev_part >= lo and ev_part < lo + 16 and ev_txid > x and ev_txid < xmax_now;
+         where ev_part >= lo and ev_part < lo + 16 and ev_txid > x and ev_txid < xmax_now
+           and ev_type <> 'pgcascade.peer-seen';
         exit when x is null;
-        if pg_visible_in_snapshot(x::text::xid8, now_snap)
-           and exists (select 1 from pgcascade.event where ev_part >= lo and ev_part < lo + 16 and ev_txid = x
-                                                        and ev_type <> 'pgcascade.peer-seen') then
+        if pg_visible_in_snapshot(x::text::xid8, now_snap) then
             return true;
         end if;
     end loop;
