@@ -164,37 +164,6 @@ def own_event(e: list) -> tuple:
     return tuple(e)
 
 
-def apply_in_one(
-    sub: psycopg.Connection,
-    prov: psycopg.Connection,
-    node: nodes.Node,
-    info: BatchInfo,
-    appliers: dict[str, TableApplier],
-    state: PeerState,
-    events: list[tuple],
-    snapshot: str,
-) -> tuple[BatchStats, Fresh]:
-    """The small batch `events` in one round trip (the module's docstring), and the node and
-    its tables as read after the commit, for the next round.  A table whose events are all
-    inserts is applied by its insert-only statement (peer_apply.insert_only_statement); if one
-    finds a reason to judge, the message is sent again with every table's judging statements,
-    and that table's next batches go so for INSERT_ONLY_PAUSE seconds."""
-    message = functools.partial(one_message, sub, prov, node, info, appliers, state, events, snapshot)
-    try:
-        return message(insert_only=True)
-    except psycopg.Error as e:
-        if e.sqlstate != "PCROW":
-            raise
-        log.info(
-            "peer batch %s: %s; applying it with the judging statements", info.cur_tick_id, db_error_line(e)
-        )
-    pause = time.monotonic() + INSERT_ONLY_PAUSE
-    for table in inserts_only(events):
-        if table in appliers:
-            appliers[table].one_kind_after = pause
-    return message(insert_only=False)
-
-
 def inserts_only(events: list[tuple]) -> set[str]:
     """The tables whose row events in `events` are all inserts."""
     kinds: dict[str, set[str]] = {}
@@ -204,7 +173,7 @@ def inserts_only(events: list[tuple]) -> set[str]:
     return {t for t, k in kinds.items() if k == {"I"}}
 
 
-def one_message(
+def apply_in_one(
     sub: psycopg.Connection,
     prov: psycopg.Connection,
     node: nodes.Node,
@@ -213,10 +182,13 @@ def one_message(
     state: PeerState,
     events: list[tuple],
     snapshot: str,
-    insert_only: bool,
+    insert_only: bool = True,
 ) -> tuple[BatchStats, Fresh]:
-    """apply_in_one's round trip; with `insert_only`, tables whose events are all inserts are
-    applied by their insert-only statements (unless paused)."""
+    """The small batch `events` in one round trip (the module's docstring), and the node and
+    its tables as read after the commit, for the next round.  With `insert_only`, a table whose
+    events are all inserts is applied by its insert-only statement (peer_apply.py) unless
+    paused; if one finds a reason to judge, the message is sent again with every table's
+    judging statements, and that table's next batches go so for INSERT_ONLY_PAUSE seconds."""
     assert info.cur_tick_id is not None and node.peer_of is not None and node.provider_node is not None
     assert state.policies is not None
     peer = state.batch(node, info.cur_tick_id)
@@ -271,7 +243,18 @@ def one_message(
     ]
     # one message, as inline.py; a result per statement: the apply statements' conflicts (each
     # table's last), the sequences, the node and its tables
-    results = prepared.run(sub, statements)
+    try:
+        results = prepared.run(sub, statements)
+    except psycopg.Error as e:
+        if e.sqlstate != "PCROW" or not fast:
+            raise
+        log.info(
+            "peer batch %s: %s; applying it with the judging statements", info.cur_tick_id, db_error_line(e)
+        )
+        pause = time.monotonic() + INSERT_ONLY_PAUSE
+        for table in fast & set(appliers):
+            appliers[table].one_kind_after = pause
+        return apply_in_one(sub, prov, node, info, appliers, state, events, snapshot, insert_only=False)
     ends = itertools.accumulate(len(bodies) for _t, bodies in todo)
     stats.conflicts = sum(int(roundtrip.load_rows(sub, results[2 + end])[0][0]) for end in ends)
     seqs, _commit, now_row, tables = results[-4:]
