@@ -242,9 +242,8 @@ class TableParts:
     keys: list[str]
     cols: list[catalog.Column]  # every column but the generated ones
     signature: str  # pgcascade.columns_signature: the apply checks it is still the same
-    populate: (
-        sql.Composed
-    )  # the row of an event (s.ev_data), with the values of old rows for columns it lacks
+    # the row of an event (s.ev_data), with the values of old rows for the columns it lacks
+    populate: sql.Composed
     rkeys: sql.Composed  # r.key, ...
 
     @classmethod
