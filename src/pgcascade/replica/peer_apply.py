@@ -216,15 +216,12 @@ def lock(sub: psycopg.Connection, t: PeerTable, source: sql.Composable = STAGE) 
     """The statement that locks the local rows of the keys the batch changes, in key order,
     before the apply statement reads them (see the module's docstring); the events are read
     from `source` (STAGE or peer_events)."""
-    base = sub.execute("select pgcascade.missing_row_expr(%s::regclass)", (t.dest,)).fetchone() or ("",)
-    populate = sql.SQL(
-        "pgcascade.event_row({}, s.ev_data)" if t.json_nulls else "json_populate_record({}, s.ev_data::json)"
-    ).format(sql.SQL(base[0]))
+    parts = TableParts.of(sub, t)
     return sql.SQL(LOCK).format(
-        rkeys=sql.SQL(", ").join(sql.SQL("r.{}").format(sql.Identifier(k)) for k in t.keys),
+        rkeys=parts.rkeys,
         tkeys=sql.SQL(", ").join(sql.SQL("t.{}").format(sql.Identifier(k)) for k in t.keys),
         match=sql.SQL(" and ").join(sql.SQL("t.{0} = n.{0}").format(sql.Identifier(k)) for k in t.keys),
-        populate=populate,
+        populate=parts.populate,
         dest=sql.SQL(t.dest),
         source=source,
     )
