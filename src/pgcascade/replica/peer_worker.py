@@ -200,11 +200,10 @@ def apply_in_one(
     for table, n in sorted(rows.items()):
         stats.per_table[table] = n
         a = appliers.get(table)
+        # (each table's statements composed before the message: composing reads the catalog)
         if a is None:
             stats.ignored += n
-        elif (
-            table in fast and a.one_kind_after <= now
-        ):  # composed before the message: composing reads the catalog
+        elif table in fast and a.one_kind_after <= now:
             todo.append((table, (peer_apply.insert_only_statement(sub, a, peer),)))
         else:
             todo.append((table, peer_apply.inline_statement(sub, a, peer)))
