@@ -96,9 +96,10 @@ class Batches:
         node: nodes.Node,
         tables: list[subscriber.SubscriberTable],
         info: BatchInfo,
-    ) -> None:
+    ) -> int:
         """Apply the batch in one round trip when it is small and plain (inline.py), else the
-        general way; the provider learns it is done with the next fetch."""
+        general way; the provider learns it is done with the next fetch.  The events applied
+        (0: none, the batch is to be fetched again)."""
         started = time.monotonic()
         assert info.batch_id is not None and info.cur_tick_id is not None
         done = left_out(tables, info.cur_tick_id)  # by a parallel apply cut short
@@ -108,14 +109,14 @@ class Batches:
         stats, lsn = None, None
         if node.is_peer:
             self.use_peer_origin(sub, node)
-            now, stats, self.fresh = peer_worker.apply_batch(
+            now, stats, self.fresh, lsn = peer_worker.apply_batch(
                 sub, prov, node, info, appliers, self.prov_logical, self.peer_state
             )
             if stats is None:
                 if now.provider_node == node.provider_node and now.node_type == node.node_type:
                     assert now.last_tick is not None
                     self.resume(prov, node, info, now.last_tick)
-                return  # (or moved since this round began: start again)
+                return 0  # (or moved since this round began: start again)
             self.phases.mark("apply")
         elif self.applies_inline(node, info, appliers):
             try:
@@ -124,9 +125,9 @@ class Batches:
                 self.phases.mark("inline")
             except inline.NotAtRecord as e:
                 self.resume(prov, node, info, e.last_tick)
-                return
+                return 0
             except inline.Moved:
-                return  # moved (change-provider, takeover) since this round began: start again
+                return 0  # moved (change-provider, takeover) since this round began: start again
             except psycopg.OperationalError:
                 raise
             except psycopg.Error as e:  # a unique violation, say: the general path resolves it
@@ -135,7 +136,7 @@ class Batches:
             general = functools.partial(self.general_batch, sub, prov, node, tables, info, appliers, durable)
             stats = self.general_or_whole(sub, info, general)
             if stats is None:
-                return
+                return 0
             if not durable:
                 lsn = str(scalar(sub, "select pg_current_wal_insert_lsn()::text"))
         if lsn is not None:
@@ -166,14 +167,16 @@ class Batches:
             metrics.EVENTS.labels(*labels).inc(stats.count)
             metrics.BATCH_SECONDS.labels(*labels).observe(duration)
             metrics.APPLIED_TICK.labels(*labels).set(info.cur_tick_id)
+        return stats.count
 
     @staticmethod
     def commits_async(node: nodes.Node) -> bool:
-        """A leaf commits its batches without waiting for the WAL flush, as native logical
-        replication's apply does: a crash that takes commits back makes it apply them again
-        (its provider keeps them: see inline.Durability).  Nodes whose queue others read
-        (branches, merge-leaves, two-way masters) commit durably."""
-        return not (node.role.copies_events or node.combined_queue or node.is_peer)
+        """A leaf and a two-way master's peer subscription commit their batches without waiting
+        for the WAL flush, as native logical replication's and pglogical's apply do: a crash that
+        takes commits back makes the worker apply them again (its provider keeps them: see
+        inline.Durability).  Nodes that repeat their provider's ticks (branches, merge-leaves)
+        commit durably: a node below may read a tick of theirs before its flush."""
+        return not (node.role.copies_events or node.combined_queue)
 
     def applies_inline(self, node: nodes.Node, info: BatchInfo, appliers: dict[str, TableApplier]) -> bool:
         return (

@@ -24,12 +24,14 @@ from pgcascade.replica.ddl import PeerBehind
 log = logging.getLogger("pgcascade.replay")
 
 PEER_IDLE_POLL = 1.0  # a caught-up peer's queue is asked at least this often without a tick
-# a peer's batch of more than PEER_SPACED_EVENTS events (the load rose) is followed by no tick on
-# demand for PEER_TICK_SPACING times its time, so the batches' fixed cost never takes the whole
-# worker: two masters flat out 1,670 tps with no spacing, 2,100-2,180 with it, the same as with
-# the ticker alone; small batches are not spaced (lag at 200 tps a master 17 -> 14 ms).  Four
-# times, not two (session 25, four 20-s runs each, alternating): flat out 1,860 -> 2,026 tps,
-# lag median at 200 tps the same (14.5 / 15.1 ms), its p95 24 -> 25-39 ms, flat out 50-60 -> 70-75
+# a peer's batch of more than PEER_SPACED_EVENTS events applied (the load rose; the peer's own
+# events, not all its queue numbered: those it holds for others doubled the count of two masters
+# at 200 tps, and spaced every batch after a slow one) is followed by no tick on demand for
+# PEER_TICK_SPACING times its time, so the batches' fixed cost never takes the whole worker: two
+# masters flat out 1,670 tps with no spacing, 2,100-2,180 with it, the same as with the ticker
+# alone; small batches are not spaced (lag at 200 tps a master 17 -> 14 ms).  Four times, not
+# two (session 25, four 20-s runs each, alternating): flat out 1,860 -> 2,026 tps, lag median at
+# 200 tps the same (14.5 / 15.1 ms), its p95 24 -> 25-39 ms, flat out 50-60 -> 70-75
 PEER_TICK_SPACING = 4.0
 PEER_SPACED_EVENTS = 16
 # a peer worker rings its peer's doorbell once its poll delay reaches this (about 3 ms without

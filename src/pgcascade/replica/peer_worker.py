@@ -50,8 +50,10 @@ from pgcascade.replica.peer_apply import PEER_SEEN, PEER_SELECT, PEER_TIME, Peer
 
 log = logging.getLogger("pgcascade.replay")
 
-# APPLY_SETTINGS in one statement (a pipeline takes one statement per call)
-SETTINGS = "select set_config('session_replication_role', 'replica', true), set_config('synchronous_commit', 'on', true)"
+# in one statement (a pipeline takes one statement per call): the apply's role, and a commit that
+# does not wait for its WAL flush, as a leaf's (batch.commits_async: a crash that takes batches
+# back makes the worker apply them again from this node's record; its peer keeps them)
+SETTINGS = "select set_config('session_replication_role', 'replica', true), set_config('synchronous_commit', 'off', true)"
 # and for a batch in one round trip, generic plans: a statement is PREPAREd again every second
 # (prepared.py), and the plan cache made its first five executions custom plans, each planned
 # anew (the apply statement's planning was 6% of the worker's backend CPU at 200 tps a master)
@@ -69,6 +71,7 @@ SMALL_SELECT = (
 )
 # the node and its tables, as read after a batch's commit (the next round starts from them)
 Fresh = tuple[nodes.Node, list[subscriber.SubscriberTable]]
+WAL_AFTER_COMMIT = b"select pg_current_wal_insert_lsn()::text"  # the batch is durable once flushed so far
 REFUSED = ("PCB01", "PCB02")  # pgcascade.peer_batch_begin: go step by step
 FAST_TYPES = frozenset({"I", "U", "D", PEER_SEEN})
 # a table whose insert-only statement found a reason to judge is applied by its judging
@@ -101,11 +104,12 @@ def apply_batch(
     appliers: dict[str, TableApplier],
     prov_logical: bool,
     state: PeerState,
-) -> tuple[nodes.Node, BatchStats | None, Fresh | None]:
+) -> tuple[nodes.Node, BatchStats | None, Fresh | None, str | None]:
     """Apply the peer's batch `info` in one transaction; returns the node row as locked, and the
     stats, or None when the batch does not start where this node's record says it is, or the
-    node changed since the round began (nothing applied then); and, after a batch applied in
-    one round trip, the node and its tables as read after its commit."""
+    node changed since the round began (nothing applied then); after a batch applied in one
+    round trip, the node and its tables as read after its commit; and the WAL position after
+    the commit (None if nothing was applied)."""
     assert info.cur_tick_id is not None and node.peer_of is not None and node.provider_node is not None
     # what this master's marker tells its peers: the tick's snapshot (next_batch reads it
     # with its statement's snapshot, which a tick committed in the meantime is not in)
@@ -116,8 +120,7 @@ def apply_batch(
         events = small_batch(prov, info, prov_logical)
         if events is not None:
             try:
-                stats, fresh = apply_in_one(sub, prov, node, info, appliers, state, events, snapshot)
-                return node, stats, fresh
+                return node, *apply_in_one(sub, prov, node, info, appliers, state, events, snapshot)
             except psycopg.Error as e:
                 if e.sqlstate not in REFUSED:
                     for a in appliers.values():  # composed again: a table's columns may have changed
@@ -126,7 +129,9 @@ def apply_batch(
                         raise  # applied again at once (40001, a deadlock), or the connection is gone
                     # step by step, which says which table failed and why (a policy 'error', DDL)
                     log.info("peer batch %s: step by step after: %s", info.cur_tick_id, db_error_line(e))
-    return (*apply_step_by_step(sub, prov, node, info, appliers, prov_logical, state, snapshot), None)
+    now, stats = apply_step_by_step(sub, prov, node, info, appliers, prov_logical, state, snapshot)
+    lsn = None if stats is None else str(sub.execute(WAL_AFTER_COMMIT).fetchone()[0])  # type: ignore[index]
+    return now, stats, None, lsn
 
 
 def small_batch(prov: psycopg.Connection, info: BatchInfo, prov_logical: bool) -> list[tuple] | None:
@@ -183,9 +188,9 @@ def apply_in_one(
     events: list[tuple],
     snapshot: str,
     insert_only: bool = True,
-) -> tuple[BatchStats, Fresh]:
-    """The small batch `events` in one round trip (the module's docstring), and the node and
-    its tables as read after the commit, for the next round.  With `insert_only`, a table whose
+) -> tuple[BatchStats, Fresh, str]:
+    """The small batch `events` in one round trip (the module's docstring), the node and its
+    tables as read after the commit, for the next round, and the WAL position after it.  With `insert_only`, a table whose
     events are all inserts is applied by its insert-only statement (peer_apply.py) unless
     paused; if one finds a reason to judge, the message is sent again with every table's
     judging statements, and that table's next batches go so for INSERT_ONLY_PAUSE seconds."""
@@ -238,10 +243,11 @@ def apply_in_one(
         *applies,
         bind(BATCH_END, (peer.own_queue, node.queue_name, peer.peer, info.cur_tick_id, snapshot)),
         b"commit",
+        WAL_AFTER_COMMIT,
         *(prepared.execute(body) for body in reads),
     ]
     # one message, as inline.py; a result per statement: the apply statements' conflicts (each
-    # table's last), the sequences, the node and its tables
+    # table's last), the sequences, the WAL position after the commit, the node and its tables
     try:
         results = prepared.run(sub, statements)
     except psycopg.Error as e:
@@ -256,7 +262,7 @@ def apply_in_one(
         return apply_in_one(sub, prov, node, info, appliers, state, events, snapshot, insert_only=False)
     ends = itertools.accumulate(len(bodies) for _t, bodies in todo)
     stats.conflicts = sum(int(roundtrip.load_rows(sub, results[2 + end])[0][0]) for end in ends)
-    seqs, _commit, now_row, tables = results[-4:]
+    seqs, _commit, lsn, now_row, tables = results[-5:]
     if roundtrip.load_rows(sub, seqs)[0][0]:
         # as a rule none: they only ever move up, so after the commit is as good
         subscriber_seqs.sync_sequences(prov, sub, node.queue_name)
@@ -264,7 +270,7 @@ def apply_in_one(
         roundtrip.load_rows(sub, now_row, nodes.node_from)[0],
         roundtrip.load_rows(sub, tables, subscriber.table_from),
     )
-    return stats, fresh
+    return stats, fresh, lsn.get_value(0, 0).decode()  # type: ignore[union-attr]
 
 
 def as_json(events: Iterable[tuple]) -> str:

@@ -347,8 +347,8 @@ class Worker(PeerLoop, Batches, Daemon):
         if info.batch_id is not None:
             fetched, numbered = time.monotonic(), (info.cur_tick_event_seq or 0) - info.prev_tick_event_seq
             pause_point("fetched", events=numbered)
-            self.process_batch(sub, prov, node, tables, info)
-            if node.is_peer and numbered > PEER_SPACED_EVENTS:
+            applied = self.process_batch(sub, prov, node, tables, info)
+            if node.is_peer and applied > PEER_SPACED_EVENTS:
                 self.tick_after = fetched + PEER_TICK_SPACING * (time.monotonic() - fetched)
         self.report_watermark(sub, prov, node)
         # caught up: ask again soon, then less often while nothing comes
