@@ -157,61 +157,6 @@ def inline_statement(sub: psycopg.Connection, t: PeerTable, peer: PeerBatch) -> 
     return found
 
 
-def insert_only_statement(sub: psycopg.Connection, t: PeerTable, peer: PeerBatch) -> bytes:
-    """A table's statement of a small batch whose events of the table are all inserts (as a
-    table of appended rows has): the rows and their versions written at once, without the lock
-    and the judging, when nothing here could make one of them a conflict - none of the keys is
-    here or has a version (a tombstone), no key comes twice, the table was never truncated.
-    Else it fails with SQLSTATE PCROW, having written nothing, and the worker applies the batch
-    with the judging statements (an insert of a key present here is an insert/insert conflict,
-    over a tombstone or a TRUNCATE the peer may not have seen). PREPAREd as inline_statement's,
-    the tick its one parameter."""
-    key = (peer.peer, peer.me, INSERT_ONLY, True)
-    found = t.peer_sql.get(key)
-    if found is None:
-        parts = TableParts.of(sub, t)
-        body = sql.SQL(INSERT_ONLY_STATEMENT).format(
-            rkeys=parts.rkeys,
-            populate=parts.populate,
-            source=peer_events(events_setting(t.table)),
-            ins=parts.insert("ins", sql.SQL("ev d where not (select b from blocked)")),
-            peer=sql.Literal(peer.peer),
-            tick=TICK_PARAM,
-            dest_name=sql.Literal(t.dest),
-            signature=sql.Literal(parts.signature),
-        )
-        values = params(t, 0, 2**63 - 1, peer)
-        found = t.peer_sql[key] = (
-            b"",
-            psycopg.ClientCursor(sub).mogrify(body.as_bytes(sub), values).encode(),
-        )
-    return found[1]
-
-
-INSERT_ONLY = "insert-only"  # peer_sql's key of insert_only_statement (in the place of a policy)
-INSERT_ONLY_STATEMENT = (
-    "with ev as materialized ("
-    "  select s.ev_time as remote_time, jsonb_build_array({rkeys}) as row_key, r"
-    "    from {source} s cross join lateral {populate} r where s.ev_type = 'I'),"
-    " blocked as (select exists (select 1 from pgcascade.table_truncate where table_name = %(t)s)"
-    "                 or exists (select 1 from ev join pgcascade.row_version v"
-    "                             on v.table_name = %(t)s and v.row_key = ev.row_key)"
-    "                 or (select count(distinct row_key) <> count(*) from ev) as b),"
-    " {ins},"
-    " rv as (insert into pgcascade.row_version as v (table_name, row_key, origin, origin_tick, origin_time,"
-    "        xid, deleted)"
-    "   select %(t)s, row_key, {peer}, {tick}, remote_time, pg_current_xact_id(), false"
-    "     from ev where not (select b from blocked)"
-    "   on conflict (table_name, row_key) do update set origin = excluded.origin,"
-    "      origin_tick = excluded.origin_tick, origin_time = excluded.origin_time, xid = excluded.xid,"
-    "      deleted = excluded.deleted)"
-    # every row inserted, or nothing stands (PCROW: -1 when blocked); no conflict (0)
-    " select case when pgcascade.expect_rows((select count(*) from ins),"
-    "                 case when (select b from blocked) then -1 else (select count(*) from ev) end) then 0 end"
-    "   + pgcascade.peer_columns_check({dest_name}::regclass, {signature})"
-)
-
-
 def lock(sub: psycopg.Connection, t: PeerTable, source: sql.Composable = STAGE) -> sql.Composed:
     """The statement that locks the local rows of the keys the batch changes, in key order,
     before the apply statement reads them (see the module's docstring); the events are read

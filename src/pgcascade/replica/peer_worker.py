@@ -40,7 +40,7 @@ from pgcascade.core.errors import RuntimeFailure, db_error_line
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
 from pgcascade.pgq.queue import BatchInfo
-from pgcascade.replica import inline, peer_apply, prepared
+from pgcascade.replica import inline, peer_apply, peer_fast, prepared
 from pgcascade.replica import seqs as subscriber_seqs
 from pgcascade.replica import tables as subscriber
 from pgcascade.replica.apply import BatchStats, TableApplier, apply_staged, stage_batch
@@ -74,9 +74,9 @@ Fresh = tuple[nodes.Node, list[subscriber.SubscriberTable]]
 WAL_AFTER_COMMIT = b"select pg_current_wal_insert_lsn()::text"  # the batch is durable once flushed so far
 REFUSED = ("PCB01", "PCB02")  # pgcascade.peer_batch_begin: go step by step
 FAST_TYPES = frozenset({"I", "U", "D", PEER_SEEN})
-# a table whose insert-only statement found a reason to judge is applied by its judging
+# a table whose statement without judging found a reason to judge is applied by its judging
 # statements for this long (as inline.py's ONE_KIND_PAUSE)
-INSERT_ONLY_PAUSE = 60.0
+UNJUDGED_PAUSE = 60.0
 BATCH_DONE = "select pgcascade.peer_batch_done(%s, %s, %s, %s, %s)"
 BATCH_END = "select pgcascade.peer_batch_end(%s, %s, %s, %s, %s)"  # and the tick applied, the sequences
 
@@ -169,13 +169,13 @@ def own_event(e: list) -> tuple:
     return tuple(e)
 
 
-def inserts_only(events: list[tuple]) -> set[str]:
-    """The tables whose row events in `events` are all inserts."""
+def one_kind(events: list[tuple]) -> dict[str, str]:
+    """The tables whose row events in `events` are all inserts or all updates, and that kind."""
     kinds: dict[str, set[str]] = {}
     for e in events:
         if e[2] != PEER_SEEN:
             kinds.setdefault(e[4], set()).add(e[2])
-    return {t for t, k in kinds.items() if k == {"I"}}
+    return {t: k.pop() for t, k in kinds.items() if k in ({peer_fast.INSERT}, {peer_fast.UPDATE})}
 
 
 def apply_in_one(
@@ -187,29 +187,31 @@ def apply_in_one(
     state: PeerState,
     events: list[tuple],
     snapshot: str,
-    insert_only: bool = True,
+    unjudged: bool = True,
 ) -> tuple[BatchStats, Fresh, str]:
     """The small batch `events` in one round trip (the module's docstring), the node and its
-    tables as read after the commit, for the next round, and the WAL position after it.  With `insert_only`, a table whose
-    events are all inserts is applied by its insert-only statement (peer_apply.py) unless
-    paused; if one finds a reason to judge, the message is sent again with every table's
-    judging statements, and that table's next batches go so for INSERT_ONLY_PAUSE seconds."""
+    tables as read after the commit, for the next round, and the WAL position after it.  With
+    `unjudged`, a table whose events are all inserts or all updates is applied by a statement
+    that needs no judging (peer_fast.py) unless paused; if one finds a reason to judge, the
+    message is sent again with every table's judging statements, and that table's next batches
+    go so for UNJUDGED_PAUSE seconds."""
     assert info.cur_tick_id is not None and node.peer_of is not None and node.provider_node is not None
     assert state.policies is not None
     peer = state.batch(node, info.cur_tick_id)
     stats = BatchStats(count=len(events))
     rows = Counter(e[4] for e in events if e[2] != PEER_SEEN)
-    fast = inserts_only(events) if insert_only else set()
+    kinds = one_kind(events) if unjudged else {}
     now = time.monotonic()
     todo: list[tuple[str, tuple[bytes, ...]]] = []  # each table's statements, the last its conflicts
     for table, n in sorted(rows.items()):
         stats.per_table[table] = n
         a = appliers.get(table)
         # (each table's statements composed before the message: composing reads the catalog)
+        fast = peer_fast.statement(sub, a, peer, kinds[table]) if a and table in kinds else None
         if a is None:
             stats.ignored += n
-        elif table in fast and a.one_kind_after <= now:
-            todo.append((table, (peer_apply.insert_only_statement(sub, a, peer),)))
+        elif fast is not None and a.one_kind_after <= now:
+            todo.append((table, (fast,)))
         else:
             todo.append((table, peer_apply.inline_statement(sub, a, peer)))
     reads = inline.read_statements(sub, node.queue_name)
@@ -251,15 +253,15 @@ def apply_in_one(
     try:
         results = prepared.run(sub, statements)
     except psycopg.Error as e:
-        if e.sqlstate != "PCROW" or not fast:
+        if e.sqlstate != "PCROW" or not kinds:
             raise
         log.info(
             "peer batch %s: %s; applying it with the judging statements", info.cur_tick_id, db_error_line(e)
         )
-        pause = time.monotonic() + INSERT_ONLY_PAUSE
-        for table in fast & set(appliers):
-            appliers[table].one_kind_after = pause
-        return apply_in_one(sub, prov, node, info, appliers, state, events, snapshot, insert_only=False)
+        failed = e.diag.message_detail
+        for table in {failed} & set(appliers) if failed in kinds else set(kinds) & set(appliers):
+            appliers[table].one_kind_after = time.monotonic() + UNJUDGED_PAUSE
+        return apply_in_one(sub, prov, node, info, appliers, state, events, snapshot, unjudged=False)
     ends = itertools.accumulate(len(bodies) for _t, bodies in todo)
     stats.conflicts = sum(int(roundtrip.load_rows(sub, results[2 + end])[0][0]) for end in ends)
     seqs, _commit, lsn, now_row, tables = results[-5:]

@@ -245,6 +245,20 @@ begin
         using errcode = '40001', hint = 'the worker applies the batch again';
 end $$;
 
+-- pgcascade.peer_expect_rows(n, expected, table) -> true: a peer batch's statement that needs no
+-- judging (replica/peer_fast.py) wrote `n` rows, not `expected`: something here could make one
+-- of them a conflict.  SQLSTATE PCROW, the table in the detail: nothing of the batch stands, the
+-- worker applies it with the judging statements and judges that table's next batches for a while.
+create or replace function pgcascade.peer_expect_rows(n int8, expected int8, i_table text) returns bool
+language plpgsql as $$
+begin
+    if n <> expected then
+        raise exception 'the statement of % wrote % rows, not %', i_table, n, expected
+            using errcode = 'PCROW', detail = i_table;
+    end if;
+    return true;
+end $$;
+
 -- Drop the per-table apply function of migration 10's releases.
 drop function if exists pgcascade.apply_peer_rows(text, text, text, text, regclass, text[], text[], int8, int8, int8, text);
 

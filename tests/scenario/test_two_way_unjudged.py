@@ -1,6 +1,6 @@
-"""Two-way: a peer batch whose events of a table are all inserts is written at once
-(replica/peer_apply.py, insert_only_statement), and only when nothing here could make one of
-them a conflict; else it is judged as any batch.  Convergence is checked outside pgcascade (an
+"""Two-way: a peer batch whose events of a table are all inserts, or all updates, is written at
+once (replica/peer_fast.py), and only when nothing here could make one of them a conflict; else
+it is judged as any batch.  Convergence is checked outside pgcascade (an
 md5 of every row on each master); which way a batch went, by the worker's log and the versions."""
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ def versions(s: TwoWaySet, name: str, origin: str) -> int:
         ).fetchone()[0]
 
 
-def insert_only_runs(s: TwoWaySet, name: str) -> int:
-    """Executions of the insert-only statement's check on the master (track_functions)."""
+def unjudged_runs(s: TwoWaySet, name: str) -> int:
+    """Executions of the unjudged statements' check on the master (track_functions)."""
     with s.masters[name].db.connect() as conn:
         return conn.execute(
-            "select coalesce(sum(calls), 0) from pg_stat_user_functions where funcname = 'expect_rows'"
+            "select coalesce(sum(calls), 0) from pg_stat_user_functions where funcname = 'peer_expect_rows'"
         ).fetchone()[0]
 
 
@@ -55,12 +55,12 @@ def test_insert_only_batches_are_written_at_once_unless_a_key_or_a_truncate_asks
     two_way.wait_converged("t")
 
     # appended rows: written at once, with their versions, nothing judged
-    runs = insert_only_runs(two_way, "b")
+    runs = unjudged_runs(two_way, "b")
     a.execute("insert into t select i, 100, 'a' from generate_series(3, 50) i")
     two_way.wait_converged("t")
     assert versions(two_way, "b", "a") == 49
     # (a backend's function counts reach the statistics within seconds)
-    wait_until(lambda: insert_only_runs(two_way, "b") > runs, 30, what="b's insert-only statement")
+    wait_until(lambda: unjudged_runs(two_way, "b") > runs, 30, what="b's unjudged statement")
     assert judged(two_way, "b") == 0 and conflicts_of(b) == []
 
     # b's changes held back from a: on b a new key (100) and a key inserted and deleted (200,
@@ -91,3 +91,56 @@ def test_insert_only_batches_are_written_at_once_unless_a_key_or_a_truncate_asks
     two_way.wait_converged("t", "u")
     assert sorted(two_way.rows("b", "u")) == list(range(300, 311))
     assert judged(two_way, "b") == before + 1
+
+
+def test_update_batches_of_rows_a_peer_wrote_last_are_written_at_once_else_judged(
+    two_way: TwoWaySet, make_db
+) -> None:
+    a = two_way.add_master("a", make_db("a"))
+    b = two_way.add_master("b", make_db("b"))
+    for m in (a, b):
+        make_tables(m, "t")
+        m.run("add-table", "t")
+        m.execute("alter system set track_functions = 'pl'")
+        m.execute("select pg_reload_conf()")
+    two_way.connect_all()
+    two_way.start()
+    a.execute("insert into t values (0, 0, 'a')")
+    b.execute("insert into t values (1000, 0, 'b')")
+    two_way.wait_converged("t")
+    a.execute("insert into t select i, 0, 'a' from generate_series(1, 20) i")  # a's rows, on b too
+    two_way.wait_converged("t")
+
+    # a's own rows updated again and again on a: b writes them at once, nothing judged
+    runs = unjudged_runs(two_way, "b")
+    for _ in range(5):
+        a.execute("update t set balance = balance + 1 where id between 1 and 20")
+    a.execute("update t set balance = balance + 1, note = 'twice' where id = 3")  # one key twice
+    two_way.wait_converged("t")
+    wait_until(lambda: unjudged_runs(two_way, "b") > runs, 30, what="b's unjudged updates")
+    assert judged(two_way, "b") == 0 and conflicts_of(b) == []
+    assert two_way.rows("b", "t")[3] == (6, "twice")
+    with b.db.connect() as conn:  # each row's version names a and the transaction that wrote it
+        versions = conn.execute(
+            "select count(*) from t join pgcascade.row_version v on v.table_name = 'public.t'"
+            " and v.row_key = jsonb_build_array(t.id) where t.id between 1 and 20 and v.origin = 'a'"
+            " and (v.xid::text::int8 % 4294967296)::text = t.xmin::text"
+        ).fetchone()[0]
+    assert versions == 20
+
+    # a row b changed itself is judged: concurrently (a's change does not know b's) a conflict,
+    # which the later change wins; once a has applied b's change, not a conflict
+    Daemons.kill(a.worker, signal.SIGINT)
+    a.worker = None
+    b.execute("update t set balance = 100, note = 'b' where id = 5")
+    time.sleep(0.05)
+    a.execute("update t set balance = 200, note = 'a' where id = 5")
+    wait_until(lambda: judged(two_way, "b") >= 1, 30, what="b judging a's update of its row")
+    two_way.start("a")
+    two_way.wait_converged("t")
+    assert two_way.rows("b", "t")[5] == (200, "a")
+    assert [(k, key) for _t, k, key, _w, _o in conflicts_of(b)] == [("update/update", "5")]
+    a.execute("update t set balance = 300 where id = 1000")  # b's row, which a had applied
+    two_way.wait_converged("t")
+    assert two_way.rows("b", "t")[1000] == (300, "b")
+    assert len(conflicts_of(b)) == 1
