@@ -46,6 +46,7 @@ def statement(sub: psycopg.Connection, t: PeerTable, peer: PeerBatch, kind: str)
         parts = TableParts.of(sub, t)
         non_keys = [c.name for c in parts.cols if c.name not in t.keys]
         if kind == UPDATE and not non_keys:
+            t.peer_sql[key] = (b"", b"")  # (kept: composing reads the catalog)
             return None
         body = sql.SQL(INSERTS if kind == INSERT else UPDATES).format(
             rkeys=parts.rkeys,
@@ -67,7 +68,7 @@ def statement(sub: psycopg.Connection, t: PeerTable, peer: PeerBatch, kind: str)
             b"",
             psycopg.ClientCursor(sub).mogrify(body.as_bytes(sub), values).encode(),
         )
-    return found[1]
+    return found[1] or None
 
 
 INSERTS = (

@@ -11,11 +11,13 @@ trip, one message of the simple query protocol as a one-way batch (inline.py): B
 batch's events as JSON arrays in settings of the transaction (each table's in its own, the
 markers in another: peer_apply.peer_events), the checks the step-by-step way makes by looking
 (`pgcascade.peer_batch_begin` refuses the batch when the node is not where the batch starts,
-or the policies changed), each table's two statements (peer_apply.py) PREPAREd (prepared.py:
-values as literals, the tick as their one parameter), the markers and the tick applied
-(`pgcascade.peer_batch_end`; its peer_batch_done reads the same setting) and COMMIT.  Nothing is staged: a transaction that touches the temporary stage pays for its
-truncation at commit, more than the rest of a small batch.  Such a batch never holds a TRUNCATE
-(FAST_TYPES), which reads the stage (94_two_way_truncate.sql).  Any other batch, or one refused
+or the policies changed), each table's two statements (peer_apply.py; or one that needs no
+judging, peer_fast.py) PREPAREd (prepared.py: values as literals, the tick as their one
+parameter), the markers and the tick applied (`pgcascade.peer_batch_end`; its peer_batch_done
+reads the same setting) and COMMIT.  Nothing is staged: a transaction that touches the
+temporary stage pays for its truncation at commit, more than the rest of a small batch.  Such a
+batch never holds a TRUNCATE (FAST_TYPES), which reads the stage (94_two_way_truncate.sql).
+Any other batch, or one refused
 or failing so, goes step by step: BEGIN, one pipeline, the COPY of the events, the barriers'
 look-up, one pipeline of the tables' statements, one of the bookkeeping, and COMMIT.
 """
