@@ -16,10 +16,10 @@ judging, peer_fast.py) PREPAREd (prepared.py: values as literals, the tick as th
 parameter), the markers and the tick applied (`pgcascade.peer_batch_end`; its peer_batch_done
 reads the same setting) and COMMIT.  Nothing is staged: a transaction that touches the
 temporary stage pays for its truncation at commit, more than the rest of a small batch.  Such a
-batch never holds a TRUNCATE (FAST_TYPES), which reads the stage (94_two_way_truncate.sql).
-Any other batch, or one refused
-or failing so, goes step by step: BEGIN, one pipeline, the COPY of the events, the barriers'
-look-up, one pipeline of the tables' statements, one of the bookkeeping, and COMMIT.
+batch never holds a TRUNCATE (FAST_TYPES), which reads the stage (94_two_way_truncate.sql).  Any
+other batch, or one refused or failing so, goes step by step: BEGIN, one pipeline, the COPY of
+the events, the barriers' look-up, one pipeline of the tables' statements, one of the
+bookkeeping, and COMMIT.
 """
 
 from __future__ import annotations
