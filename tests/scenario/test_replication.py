@@ -440,21 +440,14 @@ def crash_leaf_once(r, worker):
     """One burst and crash of crash_leaf_losing_commits: (the leaf's tick after the crash, the
     tick it had applied before, the worker started again)."""
     r.wait_sync()
-    with r.leaf.connect() as conn:
-        walwriter = conn.execute(
-            "select pid from pg_stat_activity where backend_type = 'walwriter'"
-        ).fetchone()[0]
-        conn.execute("create table if not exists flush_mark (at timestamptz)")
-    stop_while_idle(r.leaf, walwriter)
+    walwriter = stop_wal_writer(r.leaf)
     try:
         load = pgbench(r.root, "-c", "2", "-j", "2", "-T", "2", "-R", "200")
         # halfway, one durable commit flushes the leaf's WAL so far: the batches applied until
         # then become durable (the watermark can name them), the rest of the burst is what the
         # crash takes back (with nothing else flushing the WAL, no watermark is ever reported)
         time.sleep(1)
-        with r.leaf.connect() as conn:
-            conn.execute("set synchronous_commit = on")
-            conn.execute("insert into flush_mark values (now())")
+        flush_wal(r.leaf)
         assert load.wait(timeout=60) == 0, load.stderr.read()
         r.wait_sync()
         applied = r.leaf.scalar("select last_tick from pgcascade.node")
@@ -465,6 +458,25 @@ def crash_leaf_once(r, worker):
         os.kill(walwriter, signal.SIGKILL)
     back = wait_until(lambda: _last_tick_after_restart(r), 60, what="the leaf back after its crash")
     return back, applied, r.start_worker()
+
+
+def stop_wal_writer(db) -> int:
+    """SIGSTOP the cluster's WAL writer (stop_while_idle): commits that do not wait for their
+    flush stay unwritten until something flushes the WAL (flush_wal).  Its pid."""
+    with db.connect() as conn:
+        walwriter = conn.execute(
+            "select pid from pg_stat_activity where backend_type = 'walwriter'"
+        ).fetchone()[0]
+        conn.execute("create table if not exists flush_mark (at timestamptz)")
+    stop_while_idle(db, walwriter)
+    return walwriter
+
+
+def flush_wal(db) -> None:
+    """One durable commit: the WAL written so far is flushed."""
+    with db.connect() as conn:
+        conn.execute("set synchronous_commit = on")
+        conn.execute("insert into flush_mark values (now())")
 
 
 def stop_while_idle(db, walwriter: int) -> None:

@@ -13,7 +13,7 @@ import time
 import psycopg
 import pytest
 from conftest import Daemons
-from test_replication import stop_while_idle
+from test_replication import flush_wal, stop_wal_writer
 from test_two_way import APPLIED_LOG, Master, TwoWaySet, two_way  # noqa: F401 (the fixture)
 
 from pgcascade.dev.localcluster import wait_until
@@ -62,12 +62,7 @@ def burst_and_crash(two_way: TwoWaySet, a: Master, b: Master, n: int) -> tuple[i
     crash took back batches b had applied)."""
     two_way.wait_converged("history", timeout=60)
     Daemons.kill(b.ticker)  # its durable ticks would flush b's WAL
-    with b.db.connect() as conn:
-        walwriter = conn.execute(
-            "select pid from pg_stat_activity where backend_type = 'walwriter'"
-        ).fetchone()[0]
-        conn.execute("create table if not exists flush_mark (at timestamptz)")
-    stop_while_idle(b.db, walwriter)
+    walwriter = stop_wal_writer(b.db)
     try:
         for half in range(2):
             for _ in range(20):
@@ -76,9 +71,7 @@ def burst_and_crash(two_way: TwoWaySet, a: Master, b: Master, n: int) -> tuple[i
                 time.sleep(0.02)
             if half == 0:  # what b applied so far becomes durable: its watermark can name it
                 wait_until(lambda last=n: last in two_way.rows_of("b", "history"), 30, what="the first half")
-                with b.db.connect() as conn:
-                    conn.execute("set synchronous_commit = on")
-                    conn.execute("insert into flush_mark values (now())")
+                flush_wal(b.db)
         wait_until(lambda last=n: last in two_way.rows_of("b", "history"), 30, what="the burst on b")
         applied = b.db.scalar("select last_tick from pgcascade.node where queue_name = 'tw_a'")
         since = a.db.scalar("select now()")

@@ -9,7 +9,7 @@ import signal
 import time
 
 from conftest import Daemons
-from test_two_way import TwoWaySet, conflicts_of, make_tables, two_way  # noqa: F401 (the fixture)
+from test_two_way import Master, TwoWaySet, conflicts_of, make_tables, two_way  # noqa: F401 (the fixture)
 
 from pgcascade.dev.localcluster import wait_until
 
@@ -37,18 +37,23 @@ def unjudged_runs(s: TwoWaySet, name: str) -> int:
         ).fetchone()[0]
 
 
+def started_masters(s: TwoWaySet, make_db, *tables: str) -> tuple[Master, Master]:
+    """Masters a and b of `tables`, their function calls counted, their daemons started."""
+    a, b = s.add_master("a", make_db("a")), s.add_master("b", make_db("b"))
+    for m in (a, b):
+        make_tables(m, *tables)
+        m.run("add-table", *tables)
+        m.execute("alter system set track_functions = 'pl'")
+        m.execute("select pg_reload_conf()")
+    s.connect_all()
+    s.start()
+    return a, b
+
+
 def test_insert_only_batches_are_written_at_once_unless_a_key_or_a_truncate_asks_for_judging(
     two_way: TwoWaySet, make_db
 ) -> None:
-    a = two_way.add_master("a", make_db("a"))
-    b = two_way.add_master("b", make_db("b"))
-    for m in (a, b):
-        make_tables(m, "t", "u")
-        m.run("add-table", "t", "u")
-        m.execute("alter system set track_functions = 'pl'")
-        m.execute("select pg_reload_conf()")
-    two_way.connect_all()
-    two_way.start()
+    a, b = started_masters(two_way, make_db, "t", "u")
     # a worker's first batch goes step by step (it reads the policies): one batch each way first
     a.execute("insert into t values (1, 100, 'a')")
     b.execute("insert into t values (2, 100, 'b')")
@@ -96,15 +101,7 @@ def test_insert_only_batches_are_written_at_once_unless_a_key_or_a_truncate_asks
 def test_update_batches_of_rows_a_peer_wrote_last_are_written_at_once_else_judged(
     two_way: TwoWaySet, make_db
 ) -> None:
-    a = two_way.add_master("a", make_db("a"))
-    b = two_way.add_master("b", make_db("b"))
-    for m in (a, b):
-        make_tables(m, "t")
-        m.run("add-table", "t")
-        m.execute("alter system set track_functions = 'pl'")
-        m.execute("select pg_reload_conf()")
-    two_way.connect_all()
-    two_way.start()
+    a, b = started_masters(two_way, make_db, "t")
     a.execute("insert into t values (0, 0, 'a')")
     b.execute("insert into t values (1000, 0, 'b')")
     two_way.wait_converged("t")

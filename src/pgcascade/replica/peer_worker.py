@@ -31,7 +31,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 import psycopg
@@ -76,8 +76,10 @@ Fresh = tuple[nodes.Node, list[subscriber.SubscriberTable]]
 WAL_AFTER_COMMIT = b"select pg_current_wal_insert_lsn()::text"  # the batch is durable once flushed so far
 REFUSED = ("PCB01", "PCB02")  # pgcascade.peer_batch_begin: go step by step
 FAST_TYPES = frozenset({"I", "U", "D", PEER_SEEN})
-# a table whose statement without judging found a reason to judge is applied by its judging
-# statements for this long (as inline.py's ONE_KIND_PAUSE)
+# a table whose statement without judging found a reason to judge is tried so again at its next
+# batch (the judged batch may have made its rows the peer's: rows both masters start with), then
+# after 1, 2, 4 ... seconds while it goes on finding one, at most UNJUDGED_PAUSE (rows both
+# masters write: one failed try a minute)
 UNJUDGED_PAUSE = 60.0
 BATCH_DONE = "select pgcascade.peer_batch_done(%s, %s, %s, %s, %s)"
 BATCH_END = "select pgcascade.peer_batch_end(%s, %s, %s, %s, %s)"  # and the tick applied, the sequences
@@ -91,6 +93,22 @@ class PeerState:
     policy: str = DEFAULT_POLICY
     policies: dict[str, str] | None = None
     policies_hash: str | None = None
+    # per table: how many times in a row its statement without judging found a reason to judge,
+    # and when it may be tried again (UNJUDGED_PAUSE)
+    unjudged_failures: dict[str, int] = field(default_factory=dict)
+    unjudged_after: dict[str, float] = field(default_factory=dict)
+
+    def judging_found(self, table: str) -> None:
+        """The table's statement without judging found a reason to judge: when to try it again."""
+        n = self.unjudged_failures[table] = self.unjudged_failures.get(table, 0) + 1
+        self.unjudged_after[table] = time.monotonic() + (
+            0.0 if n == 1 else min(UNJUDGED_PAUSE, 2.0 ** (n - 2))
+        )
+
+    def unjudged_applied(self, tables: Iterable[str]) -> None:
+        """These tables' statements without judging wrote their rows."""
+        for t in tables:
+            self.unjudged_failures.pop(t, None)
 
     def batch(self, node: nodes.Node, tick: int) -> PeerBatch:
         """The peer's batch at `tick`, applied by these policies."""
@@ -195,8 +213,8 @@ def apply_in_one(
     tables as read after the commit, for the next round, and the WAL position after it.  With
     `unjudged`, a table whose events are all inserts or all updates is applied by a statement
     that needs no judging (peer_fast.py) unless paused; if one finds a reason to judge, the
-    message is sent again with every table's judging statements, and that table's next batches
-    go so for UNJUDGED_PAUSE seconds."""
+    message is sent again with every table's judging statements (PeerState.judging_found says
+    when that table's statement is tried again)."""
     assert info.cur_tick_id is not None and node.peer_of is not None and node.provider_node is not None
     assert state.policies is not None
     peer = state.batch(node, info.cur_tick_id)
@@ -205,6 +223,7 @@ def apply_in_one(
     kinds = one_kind(events) if unjudged else {}
     now = time.monotonic()
     todo: list[tuple[str, tuple[bytes, ...]]] = []  # each table's statements, the last its conflicts
+    without_judging: list[str] = []  # the tables given a statement of peer_fast.py
     for table, n in sorted(rows.items()):
         stats.per_table[table] = n
         a = appliers.get(table)
@@ -212,8 +231,9 @@ def apply_in_one(
         fast = peer_fast.statement(sub, a, peer, kinds[table]) if a and table in kinds else None
         if a is None:
             stats.ignored += n
-        elif fast is not None and a.one_kind_after <= now:
+        elif fast is not None and state.unjudged_after.get(table, 0.0) <= now:
             todo.append((table, (fast,)))
+            without_judging.append(table)
         else:
             todo.append((table, peer_apply.inline_statement(sub, a, peer)))
     reads = inline.read_statements(sub, node.queue_name)
@@ -255,15 +275,16 @@ def apply_in_one(
     try:
         results = prepared.run(sub, statements)
     except psycopg.Error as e:
-        if e.sqlstate != "PCROW" or not kinds:
+        if e.sqlstate != "PCROW" or not without_judging:
             raise
         log.info(
             "peer batch %s: %s; applying it with the judging statements", info.cur_tick_id, db_error_line(e)
         )
         failed = e.diag.message_detail
-        for table in {failed} & set(appliers) if failed in kinds else set(kinds) & set(appliers):
-            appliers[table].one_kind_after = time.monotonic() + UNJUDGED_PAUSE
+        for table in [failed] if failed in without_judging else without_judging:
+            state.judging_found(table)
         return apply_in_one(sub, prov, node, info, appliers, state, events, snapshot, unjudged=False)
+    state.unjudged_applied(without_judging)
     ends = itertools.accumulate(len(bodies) for _t, bodies in todo)
     stats.conflicts = sum(int(roundtrip.load_rows(sub, results[2 + end])[0][0]) for end in ends)
     seqs, _commit, lsn, now_row, tables = results[-5:]
