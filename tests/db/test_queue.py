@@ -627,6 +627,43 @@ def test_a_caught_up_fetch_reads_no_tick_table_scan_however_many_ticks_there_are
         assert scans == 0
 
 
+def test_finishing_a_finished_batch_again_changes_nothing_and_scans_nothing(qdb):
+    """A consumer that finishes its last batch again (its worker lost the answer) gets its next
+    batch as if it had not: no scan of the subscriptions, no other consumer's batch finished."""
+    with qdb.connect() as conn:
+        q.register_consumer(conn, Q, "c2")
+        q.insert_event(conn, Q, "t", "x")
+        q.ticker(conn, Q)
+        mine = q.next_batch_events(
+            conn, Q, "c1", finish=None, max_events=None, max_tick=None, inline_events=100
+        )
+        other = q.next_batch_events(
+            conn, Q, "c2", finish=None, max_events=None, max_tick=None, inline_events=100
+        )
+        q.insert_event(conn, Q, "t", "y")
+        done = q.next_batch_events(
+            conn, Q, "c1", finish=mine.batch_id, max_events=None, max_tick=None, inline_events=100
+        )
+        assert done.batch_id is not None and done.prev_tick_id == mine.cur_tick_id
+    with qdb.connect(autocommit=False) as conn:  # one transaction: its own scans are counted
+        again = q.next_batch_events(
+            conn, Q, "c1", finish=mine.batch_id, max_events=None, max_tick=None, inline_events=100
+        )
+        assert again.batch_id == done.batch_id  # still open, returned again
+        scans = conn.execute(
+            "select seq_scan from pg_stat_xact_user_tables where relid = 'pgcascade.subscription'::regclass"
+        ).fetchone()[0]
+        assert scans == 0
+        conn.commit()
+        # c2's open batch, finished by nobody but c2
+        assert (
+            q.next_batch_events(
+                conn, Q, "c2", finish=None, max_events=None, max_tick=None, inline_events=100
+            ).batch_id
+            == other.batch_id
+        )
+
+
 def tick_reads(conn: psycopg.Connection) -> tuple[int, int]:
     """(sequential scans, rows fetched by index) of the tick table, every session's flushed."""
     row = conn.execute(
