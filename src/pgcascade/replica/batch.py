@@ -138,7 +138,7 @@ class Batches:
             if stats is None:
                 return 0
             if not durable:
-                lsn = str(scalar(sub, "select pg_current_wal_insert_lsn()::text"))
+                lsn = str(scalar(sub, inline.WAL_AFTER_COMMIT))
         if lsn is not None:
             self.durability.committed(info.cur_tick_id, lsn)
         pause_point("applied", events=stats.count)  # committed here, not finished on the provider

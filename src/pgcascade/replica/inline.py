@@ -230,7 +230,7 @@ def apply_message(
             if v is not None
         ),
         b"commit",
-        b"select pg_current_wal_insert_lsn()::text",
+        WAL_AFTER_COMMIT,
         *(prepared.execute(body) for body in reads),
     ]
     try:
@@ -248,6 +248,10 @@ def apply_message(
         roundtrip.load_rows(sub, now, nodes.node_from)[0],
         roundtrip.load_rows(sub, tables, subscriber.table_from),
     )
+
+
+# read right after a batch's commit: the batch is durable once the WAL is flushed up to there
+WAL_AFTER_COMMIT = b"select pg_current_wal_insert_lsn()::text"
 
 
 @dataclass

@@ -39,6 +39,7 @@ from psycopg import sql
 
 from pgcascade.core import roundtrip
 from pgcascade.core.errors import RuntimeFailure, db_error_line
+from pgcascade.core.pgconn import scalar
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
 from pgcascade.pgq.queue import BatchInfo
@@ -73,7 +74,6 @@ SMALL_SELECT = (
 )
 # the node and its tables, as read after a batch's commit (the next round starts from them)
 Fresh = tuple[nodes.Node, list[subscriber.SubscriberTable]]
-WAL_AFTER_COMMIT = b"select pg_current_wal_insert_lsn()::text"  # the batch is durable once flushed so far
 REFUSED = ("PCB01", "PCB02")  # pgcascade.peer_batch_begin: go step by step
 FAST_TYPES = frozenset({"I", "U", "D", PEER_SEEN})
 # a table whose statement without judging found a reason to judge is tried so again at its next
@@ -150,7 +150,7 @@ def apply_batch(
                     # step by step, which says which table failed and why (a policy 'error', DDL)
                     log.info("peer batch %s: step by step after: %s", info.cur_tick_id, db_error_line(e))
     now, stats = apply_step_by_step(sub, prov, node, info, appliers, prov_logical, state, snapshot)
-    lsn = None if stats is None else str(sub.execute(WAL_AFTER_COMMIT).fetchone()[0])  # type: ignore[index]
+    lsn = None if stats is None else str(scalar(sub, inline.WAL_AFTER_COMMIT))
     return now, stats, None, lsn
 
 
@@ -267,7 +267,7 @@ def apply_in_one(
         *applies,
         bind(BATCH_END, (peer.own_queue, node.queue_name, peer.peer, info.cur_tick_id, snapshot)),
         b"commit",
-        WAL_AFTER_COMMIT,
+        inline.WAL_AFTER_COMMIT,
         *(prepared.execute(body) for body in reads),
     ]
     # one message, as inline.py; a result per statement: the apply statements' conflicts (each
