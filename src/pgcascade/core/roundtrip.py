@@ -59,15 +59,22 @@ def binder(conn: psycopg.Connection) -> psycopg.ClientCursor:
     return cur
 
 
-def send(conn: psycopg.Connection, message: bytes) -> list[PGresult]:
+def send(
+    conn: psycopg.Connection, message: bytes, meanwhile: Callable[[], None] | None = None
+) -> list[PGresult]:
     """Run `message` (statements with literal values, `;`-separated) in one round trip of the
     simple query protocol; a result per statement.  The server stops at the first failure,
-    which raises here as psycopg would raise it; the transaction is left as the server left it."""
+    which raises here as psycopg would raise it; the transaction is left as the server left it.
+    `meanwhile` is called once the message is sent, while the server runs it."""
     pg = conn.pgconn
     pg.nonblocking = 0  # libpq sends the whole message and waits for each result itself
     try:
         pg.send_query(message)
-        results = list(iter(pg.get_result, None))
+        try:
+            if meanwhile is not None:
+                meanwhile()
+        finally:
+            results = list(iter(pg.get_result, None))
     finally:
         pg.nonblocking = 1
     _forward_notifies(conn)

@@ -9,6 +9,7 @@ consumer on them.  Waiting for work uses LISTEN on `TICK_CHANNEL`, which every t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -153,18 +154,20 @@ def next_batch_events(
     seqs: list[str] | None = None,
     tick: bool = True,
     commit_times: bool = False,
+    meanwhile: Callable[[], None] | None = None,
 ) -> BatchInfo:
     """One round trip: finish batch `finish` (if still open), tick the queue if `tick`, the
     consumer is caught up and committed events wait, open the next batch and return it - with
     its events inline when it holds at most `inline_events` events (their time their
-    transaction's commit time, with `commit_times`) - and the values of `seqs`."""
+    transaction's commit time, with `commit_times`) - and the values of `seqs`.  `meanwhile`
+    is called while the provider runs it."""
     # a worker's call at every batch: sent and read by libpq (core/roundtrip.py)
     query = roundtrip.compose(
         conn,
         "select * from pgcascade.next_batch_events(%s, %s, %s, %s, %s, %s, %s, %s, %s)",
         (queue, consumer, finish, max_events, max_tick, tick, inline_events, seqs, commit_times),
     )
-    (result,) = roundtrip.send(conn, query)
+    (result,) = roundtrip.send(conn, query, meanwhile)
     names = roundtrip.column_names(result)
     (row,) = roundtrip.load_rows(
         conn, result, lambda values: BatchInfo(**dict(zip(names, values, strict=True)))

@@ -124,6 +124,8 @@ class Worker(PeerLoop, Batches, Daemon):
         self.durability = inline.Durability.new()
         self.seqs: list[tuple[str, str]] = []  # followed sequences (name, here), read every watermark_period
         self.fresh: tuple[nodes.Node, list[subscriber.SubscriberTable]] | None = None
+        self.fresh_until = 0.0
+        self.stats_line: tuple | None = None  # the last batch's, logged with the next fetch
         self.delay = ApplyDelay()  # a delayed leaf (apply_delay)
         # a master's peer worker: when its peer's queue is asked again unless it notifies, whether
         # it notified since the last ask, and when it may be asked for a tick (PEER_TICK_SPACING)
@@ -217,11 +219,13 @@ class Worker(PeerLoop, Batches, Daemon):
                 c.close()
         self.sub = self.prov = None
         self.prov_node = None
+        self.fresh = None
 
     def sleep(self, seconds: float) -> None:
         """Wait for the provider's next tick (NOTIFY), at most `seconds` - or, where this worker
         makes the ticks (`polls`), at most its poll delay.  Ticks it made itself do not count.
         A delayed leaf waits until its next tick is old enough."""
+        self.flush_stats()
         if self.delay.due_in is not None:
             try:
                 self.delay.sleep(self.prov, seconds, lambda: self.stop_requested or self.reload_requested)
@@ -229,6 +233,8 @@ class Worker(PeerLoop, Batches, Daemon):
                 self.drop_connections()
             return
         if self.peer_workers:
+            for w in self.peer_workers.values():
+                w.flush_stats()
             self.sleep_on_peers(seconds)
             return
         if self.prov is not None and not self.prov.closed:
@@ -292,7 +298,8 @@ class Worker(PeerLoop, Batches, Daemon):
             and time.monotonic() < self.peers_until
         ):
             return self.work_peers(self.sub, set(self.peer_workers))
-        fresh, self.fresh = self.fresh, None  # after a batch applied in one round trip
+        # the node and its tables as read after the last batch's commit, a moment ago
+        fresh = self.fresh if self.fresh is not None and time.monotonic() < self.fresh_until else None
         sub, prov, node = self.connect(fresh[0] if fresh else None)
         self.delay.check(self.cfg, sub, node)
         if prov is None:
@@ -313,6 +320,7 @@ class Worker(PeerLoop, Batches, Daemon):
             # read the states again: a table handed over (do-sync) must not be applied
             # past that tick until the copy process says ok
             tables = subscriber.tables(sub, self.queue)
+            self.fresh = None
         if self.metrics:
             self.count_tables(node, tables)
         if any(t.state.phase is Phase.DO_SYNC for t in tables):
@@ -342,6 +350,7 @@ class Worker(PeerLoop, Batches, Daemon):
             tick=ticks,
             # a peer's versions are its commit times (a logical peer's events carry them)
             commit_times=node.is_peer and not self.prov_logical,
+            meanwhile=self.flush_stats,
         )
         self.unfinished = None
         if info.batch_id is not None:
@@ -416,6 +425,7 @@ class Worker(PeerLoop, Batches, Daemon):
             metrics.TABLES.labels(self.queue, node.node_name, phase.value).set(n)
 
     def report_error(self, e: Exception) -> None:
+        self.flush_stats()  # the batch before the error was applied
         version = self.sub.info.server_version if self.sub is not None and not self.sub.closed else 0
         message = privileges.explain(e, self.db, version)
         with (
@@ -428,6 +438,7 @@ class Worker(PeerLoop, Batches, Daemon):
         self.copies.stop_all()
 
     def shutdown(self) -> None:
+        self.flush_stats()
         for w in self.peer_workers.values():  # each finishes the batch it applied last
             w.shutdown()
         self.copies.stop_all()
