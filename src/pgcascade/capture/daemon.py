@@ -406,9 +406,12 @@ class WalCapture(Daemon):
         if ev.get("queue") != self.queue:
             return
         self.flush()
-        # a message a peer's apply wrote (a DDL passed on to the leaves) is tagged as its rows are
-        origin = ev.get("origin") or self.origin
-        self.insert_event(ev["type"], ev.get("data"), ev.get("extra1"), origin, ev.get("extra3"))
+        # a message a peer's apply wrote (a DDL passed on to the leaves) is tagged as its rows
+        # are; not the apply's marker for the peers (peer_batch_done), which they must read
+        origin = None if ev.get("untagged") else ev.get("origin") or self.origin
+        self.insert_event(
+            ev["type"], ev.get("data"), ev.get("extra1"), origin, ev.get("extra3"), ev.get("extra2")
+        )
 
     # --- writing events ---
     def add_row(self, relid: int, op: str, vals: list[Value], size: int) -> None:
@@ -457,12 +460,22 @@ class WalCapture(Daemon):
         extra1: str | None,
         origin: str | None = None,
         extra3: str | None = None,
+        extra2: str | None = None,
     ) -> None:
         """An event of the stream's own (TRUNCATE, a message), tagged with the master a peer's
         apply made it for (and, for a DDL it passed on, that master's tick)."""
         assert self.writer is not None
         cur = self.writer.execute(
-            events.INSERT_EVENT, (ev_type, data, extra1, origin, extra3, origin, self.queue)
+            events.INSERT_EVENT,
+            {
+                "type": ev_type,
+                "data": data,
+                "extra1": extra1,
+                "extra2": extra2,
+                "extra3": extra3,
+                "origin": origin,
+                "queue": self.queue,
+            },
         )
         if cur.rowcount != 1:
             raise RuntimeFailure(f"queue {self.queue} does not exist any more")

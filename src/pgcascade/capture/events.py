@@ -12,13 +12,14 @@ CONFIRM = (
     " last_capture = now(), last_error = null, last_error_time = null where queue_name = %s"
 )
 
-# an event of the stream's own (TRUNCATE, a message): type, data, extra1, origin, extra3,
-# origin, queue
+# an event of the stream's own (TRUNCATE, a message): its type, data, extra1-3, the master it
+# is tagged with (origin, as ev_extra4) and the queue, by name
 INSERT_EVENT = (
     "insert into pgcascade.event (ev_id, ev_time, ev_part, ev_type, ev_data, ev_extra1, ev_rare)"
-    " select nextval(q.queue_event_seq), now(), q.queue_id * 16 + q.queue_cur_table, %s, %s, %s,"
-    " case when %s::text is not null then row(null, %s, %s, null, null)::pgcascade.event_rare end"
-    " from pgcascade.queue q where q.queue_name = %s"
+    " select nextval(q.queue_event_seq), now(), q.queue_id * 16 + q.queue_cur_table, %(type)s, %(data)s, %(extra1)s,"
+    " case when coalesce(%(extra2)s::text, %(extra3)s::text, %(origin)s::text) is not null"
+    " then row(%(extra2)s, %(extra3)s, %(origin)s, null, null)::pgcascade.event_rare end"
+    " from pgcascade.queue q where q.queue_name = %(queue)s"
 )
 
 

@@ -301,7 +301,18 @@ begin
     -- only after changes: a batch of markers alone changed no row here, and answering it would
     -- make the masters send markers back and forth for ever
     if v_changes then
-        perform pgcascade.insert_event(i_own_queue, 'pgcascade.peer-seen', i_tick::text, i_peer, i_snapshot, null, null);
+        -- a master with logical capture: its daemon queues the master's own commits from the
+        -- WAL, a moment after them.  Inserted here at once, the marker would overtake changes
+        -- committed before this apply that the daemon had not queued yet, and its peers would
+        -- take them for changes made after this batch (judged no conflict: the masters
+        -- diverged).  So it goes through the WAL too, in its place, untagged (its peers read it)
+        if exists (select 1 from pgcascade.walcapture where queue_name = i_own_queue) then
+            perform pg_logical_emit_message(true, 'pgcascade', json_build_object(
+                'queue', i_own_queue, 'type', 'pgcascade.peer-seen', 'data', i_tick::text,
+                'extra1', i_peer, 'extra2', i_snapshot, 'untagged', true)::text);
+        else
+            perform pgcascade.insert_event(i_own_queue, 'pgcascade.peer-seen', i_tick::text, i_peer, i_snapshot, null, null);
+        end if;
     end if;
 end $$;
 
