@@ -613,8 +613,14 @@ def test_two_masters_with_logical_capture_converge_without_echo(two_way: TwoWayS
         conn.execute("insert into t values (201, 1, 'x', 6)")
     two_way.wait_converged("t")
     assert b.db.scalar("select sum(x) from t") == 11
-    assert b.db.scalar(
-        "select count(*) from pgcascade.event where ev_type = 'EXECUTE' and (ev_rare).ev_extra4 = 'a'"
+    # b's capture daemon queues it from b's WAL, a moment after the apply's commit (asynchronous:
+    # the daemon reads flushed WAL)
+    wait_until(
+        lambda: b.db.scalar(
+            "select count(*) from pgcascade.event where ev_type = 'EXECUTE' and (ev_rare).ev_extra4 = 'a'"
+        ),
+        timeout=30,
+        what="a's DDL passed on, tagged, in b's queue",
     )
     # a table a holds with rows, added on b empty: copied from a, under a's replication origin
     make_tables(a, "u")
