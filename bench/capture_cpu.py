@@ -13,11 +13,18 @@ Londiste 3's capture: PgQ's C trigger `pgq.logutriga` on the tables (bench/insta
 TPC-B: the trigger's cost per statement.
 
     .venv/bin/python bench/capture_cpu.py [--txns 4000] [--rounds 3] [--modes none,trigger,logical,londiste]
-                                          [--variant NAME=FILE.sql ...] [--single]
+                                          [--variant NAME=FILE.sql ...] [--single] [--callgrind]
 
 `--variant NAME=FILE.sql` adds a trigger mode whose capture functions come from FILE.sql (an
 older 90_capture.sql, say): measured in the same run, interleaved, so that the comparison
 holds on a loaded machine.
+
+`--callgrind` counts instructions instead: the server runs under valgrind's callgrind and each
+mode's pgbench runs `--txns` then twice as many transactions; the client backend's instructions
+per transaction are the difference over `--txns` (its connection and first plans cancel out).
+Instruction counts repeat to the last digit whatever else the machine does, where CPU time
+moves by 10 % from hour to hour: the way to compare two capture functions that differ by a few
+percent.  Slow (valgrind: ~50x): `--txns 200` takes a minute a mode.
 """
 
 from __future__ import annotations
@@ -142,6 +149,87 @@ def backend_cpu_of_run(c: LocalCluster, db: str, txns: int, script: Path | None 
     return sum(seen.values())
 
 
+def callgrind_server(c: LocalCluster, out: Path) -> subprocess.Popen:
+    """The cluster restarted with its postmaster (and so every backend) under callgrind."""
+    c.stop()
+    out.mkdir(exist_ok=True)
+    out.chmod(0o777)  # the server's user writes there
+    server_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+    p = subprocess.Popen(
+        [
+            *server_user,
+            "valgrind",
+            "--tool=callgrind",
+            "--trace-children=yes",
+            f"--callgrind-out-file={out}/cg.%p",
+            str(pg_bindir() / "postgres"),
+            "-D",
+            str(c.datadir),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            with c.connect():
+                return p
+        except Exception:
+            if time.monotonic() > deadline or p.poll() is not None:
+                raise RuntimeError("the server did not start under valgrind") from None
+            time.sleep(1)
+
+
+def callgrind_instructions(c: LocalCluster, out: Path, mode: str, txns: int, script: Path | None) -> int:
+    """Instructions of the pgbench client's backend (read from its callgrind file at its exit)."""
+    seen = set(out.iterdir())
+    p = subprocess.Popen(
+        [
+            PGBENCH,
+            "-n",
+            "-c1",
+            "-t",
+            str(txns),
+            *(["-f", str(script)] if script else []),
+            c.connstr(f"cpu_{mode}"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    if p.wait() != 0:
+        raise RuntimeError(f"pgbench failed: {p.stderr.read().decode()}")  # type: ignore[union-attr]
+    best, deadline = 0, time.monotonic() + 60
+    while time.monotonic() < deadline:  # each backend writes its file as it exits
+        time.sleep(2)
+        for f in set(out.iterdir()) - seen:
+            for line in f.read_text(errors="replace").splitlines():
+                if line.startswith(("summary:", "totals:")):
+                    best = max(best, int(line.split()[1]))
+                    break
+        if best:
+            return best
+    raise RuntimeError("no callgrind output from pgbench's backend")
+
+
+def callgrind_main(c: LocalCluster, work: Path, modes: list[str], txns: int, script: Path | None) -> None:
+    """Instructions per transaction of each mode's writer backend, and over the first mode's."""
+    server = callgrind_server(c, work / "callgrind")
+    try:
+        per = {}
+        for m in modes:
+            small = callgrind_instructions(c, work / "callgrind", m, txns, script)
+            large = callgrind_instructions(c, work / "callgrind", m, 2 * txns, script)
+            per[m] = (large - small) / txns
+            print(f"{m}: {per[m]:,.0f} instructions a transaction")
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(timeout=120)
+    print(f"\n| mode | instructions per transaction (callgrind) | over {modes[0]} |")
+    print("| --- | ---: | ---: |")
+    for m in modes:
+        print(f"| {m} | {per[m]:,.0f} | {per[m] - per[modes[0]]:+,.0f} |")
+
+
 def run_round(
     c: LocalCluster, mode: str, txns: int, daemon: subprocess.Popen | None, script: Path | None = None
 ) -> dict:
@@ -177,6 +265,7 @@ def main() -> int:
         "--variant", action="append", default=[], help="NAME=FILE.sql: trigger capture with these functions"
     )
     ap.add_argument("--single", action="store_true", help="single-row UPDATEs instead of TPC-B")
+    ap.add_argument("--callgrind", action="store_true", help="count the writer's instructions (valgrind)")
     args = ap.parse_args()
     variants = dict(v.split("=", 1) for v in args.variant)
     modes = args.modes.split(",") + list(variants)
@@ -199,6 +288,9 @@ def main() -> int:
     try:
         for m in modes:
             daemons[m] = prepare(c, work, m, Path(variants[m]).read_text() if m in variants else None)
+        if args.callgrind:
+            callgrind_main(c, work, modes, args.txns, script)
+            return 0
         for rnd in range(args.rounds):
             order = modes[rnd % len(modes) :] + modes[: rnd % len(modes)]
             for m in order:
