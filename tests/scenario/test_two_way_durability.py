@@ -81,7 +81,15 @@ def burst_and_crash(two_way: TwoWaySet, a: Master, b: Master, n: int) -> tuple[i
         os.kill(walwriter, signal.SIGKILL)  # the postmaster restarts the cluster: crash recovery
 
     def back() -> int | None:
+        # after the restart, not before it: a connection made the instant the WAL writer died
+        # still reads the tick the crash takes back (the postmaster has not reacted yet)
         try:
+            restarted = b.db.scalar(
+                "select coalesce(bool_and(pid <> %s), false) from pg_stat_activity where backend_type = 'walwriter'",
+                (walwriter,),
+            )
+            if not restarted:
+                return None
             return b.db.scalar("select last_tick from pgcascade.node where queue_name = 'tw_a'")
         except psycopg.OperationalError:
             return None
