@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -222,8 +223,9 @@ def callgrind_main(c: LocalCluster, work: Path, modes: list[str], txns: int, scr
             per[m] = (large - small) / txns
             print(f"{m}: {per[m]:,.0f} instructions a transaction")
     finally:
-        server.send_signal(signal.SIGINT)
+        c.stop()  # pg_ctl signals the postmaster itself (runuser passes no signal on)
         server.wait(timeout=120)
+        shutil.rmtree(work / "callgrind", ignore_errors=True)  # a file per backend, megabytes each
     print(f"\n| mode | instructions per transaction (callgrind) | over {modes[0]} |")
     print("| --- | ---: | ---: |")
     for m in modes:
