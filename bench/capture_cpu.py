@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 from pgcascade.capture import logical
-from pgcascade.dev.localcluster import LocalCluster, new_cluster, pg_bindir
+from pgcascade.dev.localcluster import LocalCluster, _as_server_user, new_cluster, pg_bindir
 
 PGBENCH = str(pg_bindir() / "pgbench")
 PGCASCADE = [sys.executable, "-m", "pgcascade"]
@@ -125,14 +125,19 @@ def capture_backend_pids(c: LocalCluster, db: str) -> list[int]:
     return [r[0] for r in rows]
 
 
-def backend_cpu_of_run(c: LocalCluster, db: str, txns: int, script: Path | None = None) -> float:
-    """Run pgbench (TPC-B, or `script`) and return the CPU seconds of its server backend
-    (sampled every 10 ms until it exits: at most 10 ms short)."""
-    p = subprocess.Popen(
+def start_pgbench(c: LocalCluster, db: str, txns: int, script: Path | None) -> subprocess.Popen:
+    """pgbench with one client: TPC-B, or `script`."""
+    return subprocess.Popen(
         [PGBENCH, "-n", "-c1", "-t", str(txns), *(["-f", str(script)] if script else []), c.connstr(db)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
+
+
+def backend_cpu_of_run(c: LocalCluster, db: str, txns: int, script: Path | None = None) -> float:
+    """Run pgbench (TPC-B, or `script`) and return the CPU seconds of its server backend
+    (sampled every 10 ms until it exits: at most 10 ms short)."""
+    p = start_pgbench(c, db, txns, script)
     # pgbench connects once to look at the tables, then for its client: follow every backend
     seen: dict[int, float] = {}
     with c.connect(db) as conn:
@@ -155,10 +160,9 @@ def callgrind_server(c: LocalCluster, out: Path) -> subprocess.Popen:
     c.stop()
     out.mkdir(exist_ok=True)
     out.chmod(0o777)  # the server's user writes there
-    server_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
     p = subprocess.Popen(
         [
-            *server_user,
+            *_as_server_user(),
             "valgrind",
             "--tool=callgrind",
             "--trace-children=yes",
@@ -184,19 +188,7 @@ def callgrind_server(c: LocalCluster, out: Path) -> subprocess.Popen:
 def callgrind_instructions(c: LocalCluster, out: Path, mode: str, txns: int, script: Path | None) -> int:
     """Instructions of the pgbench client's backend (read from its callgrind file at its exit)."""
     seen = set(out.iterdir())
-    p = subprocess.Popen(
-        [
-            PGBENCH,
-            "-n",
-            "-c1",
-            "-t",
-            str(txns),
-            *(["-f", str(script)] if script else []),
-            c.connstr(f"cpu_{mode}"),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    p = start_pgbench(c, f"cpu_{mode}", txns, script)
     if p.wait() != 0:
         raise RuntimeError(f"pgbench failed: {p.stderr.read().decode()}")  # type: ignore[union-attr]
     best, deadline = 0, time.monotonic() + 60
