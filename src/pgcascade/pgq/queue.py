@@ -304,9 +304,15 @@ def ticks_on_demand(conn: psycopg.Connection, queue: str) -> bool:
     return bool(row and row[0])
 
 
+def wake_payload(queue: str) -> str:
+    """The tick channel's payload that wakes the queue's consumers, paused ones too (a tick's
+    payload is the queue's name: a paused worker does not wake for it)."""
+    return f"wake {queue}"
+
+
 def wake_consumers(conn: psycopg.Connection, queue: str) -> None:
     """Wake every consumer waiting on the tick channel now, not at the next tick."""
-    conn.execute("select pg_notify(%s, %s)", (TICK_CHANNEL, queue))
+    conn.execute("select pg_notify(%s, %s)", (TICK_CHANNEL, wake_payload(queue)))
 
 
 def consumer_listens(conn: psycopg.Connection, queue: str, wait: float, seen_event_seq: int | None) -> bool:

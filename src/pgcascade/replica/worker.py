@@ -118,6 +118,7 @@ class Worker(PeerLoop, Batches, Daemon):
         self.unfinished: tuple[str | None, int] | None = None
         self.copies_checked = False  # stale copy consumers looked for on this provider connection
         self.polls = False  # the provider's queue ticks when its consumers ask (trigger capture)
+        self.paused = False  # the node was paused at the last round: only a wake ends a sleep
         self.poll_delay = POLL_MIN
         self.listen_wait = LISTEN_MIN
         self.seen_event_seq: int | None = None  # the event sequence at the tick last fetched to
@@ -239,7 +240,9 @@ class Worker(PeerLoop, Batches, Daemon):
             return
         if self.prov is not None and not self.prov.closed:
             try:
-                if not self.polls:
+                if self.paused:  # no poll, no doorbell: a resume wakes it (admin.wake_worker)
+                    self.notified(seconds, wakes_only=True)
+                elif not self.polls:
                     self.notified(seconds)
                 elif not self.rings():  # changes came lately: poll, ring nobody
                     self.notified(min(seconds, self.poll_delay))
@@ -273,13 +276,15 @@ class Worker(PeerLoop, Batches, Daemon):
         self.listen_wait = min(2 * self.listen_wait, LISTEN_MAX)
         return wait
 
-    def notified(self, timeout: float = 0.0) -> bool:
-        """Whether a tick of this queue or a producer ringing its doorbell notified (within
-        `timeout`); takes every notification received so far (ticks this worker made do not count)."""
+    def notified(self, timeout: float = 0.0, wakes_only: bool = False) -> bool:
+        """Whether a tick of this queue, a producer ringing its doorbell or a wake notified
+        (within `timeout`; `wakes_only`: a wake alone counts); takes every notification received
+        so far (ticks this worker made do not count)."""
         assert self.prov is not None
         me, deadline = self.prov.info.backend_pid, time.monotonic() + timeout
+        wanted = {q.wake_payload(self.queue)} if wakes_only else {self.queue, q.wake_payload(self.queue)}
         while True:
-            if any(n.pid != me and n.payload == self.queue for n in self.prov.notifies(timeout=0)):
+            if any(n.pid != me and n.payload in wanted for n in self.prov.notifies(timeout=0)):
                 return True
             left = deadline - time.monotonic()
             if left <= 0:
@@ -304,6 +309,7 @@ class Worker(PeerLoop, Batches, Daemon):
         self.delay.check(self.cfg, sub, node)
         if prov is None:
             return self.work_peers(sub, None) if node.role.is_root else False
+        self.paused = node.paused
         if node.paused:
             if self.metrics and time.monotonic() >= self.next_watermark:
                 self.next_watermark = time.monotonic() + self.cfg.worker.watermark_period
