@@ -1190,9 +1190,21 @@ def main(argv: list[str] | None = None) -> int:
         default="50,200",
         help="W3: pgbench scales of the copied table (50 = 5M rows, 200 = 20M rows, ~2.6 GB)",
     )
+    ap.add_argument(
+        "--leaf-setting",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a leaf ini key other than its default (repeatable), named in the report: its figures are not the shipped defaults'",
+    )
     ap.add_argument("--report", type=Path, help="also write the results as Markdown to this file")
     ap.add_argument("--keep-logs", action="store_true", help="keep the daemons' configs and logs")
     args = ap.parse_args(argv)
+    for kv in args.leaf_setting:
+        key, eq, value = kv.partition("=")
+        if not eq:
+            ap.error(f"--leaf-setting {kv!r}: KEY=VALUE expected")
+        PGC_LEAF[key.strip()] = value.strip()
     only = {w.strip() for w in args.only.split(",") if w.strip()}
     if only - set(ALL_WORKLOADS):
         ap.error(f"unknown workloads {sorted(only - set(ALL_WORKLOADS))}: choose from {ALL_WORKLOADS}")
