@@ -4,13 +4,15 @@ MERGE).  What a user checks: after a batch of inserts, updates and deletes - key
 times, deleted and inserted again, rows the subscriber lost or already holds - the subscriber
 holds the rows the provider's events say, for every shape of destination: a key alone, an
 identity key, no unique index, partitions a row moves between, a row filter rows move in and
-out of, a column list, a rule.  The expected rows come from a model of the events in Python,
-not from the code under test.
+out of, a column list, a rule - and a batch of inserts alone, one plain INSERT unless a key is
+here already.  The expected rows come from a model of the events in Python, not from the code
+under test.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import random
 from dataclasses import dataclass, field
 
@@ -71,14 +73,22 @@ SHAPES = {
 
 
 def events(
-    shape: Shape, start: dict[tuple, dict], seed: int, inserts: bool
+    shape: Shape, start: dict[tuple, dict], seed: int, kinds: str
 ) -> tuple[list[tuple[str, dict]], dict[tuple, dict]]:
-    """A provider's batch from `start`: each key inserted (`inserts`), updated, deleted,
-    inserted again at random, 1,500 tries over 300 keys; and its rows after them."""
+    """A provider's batch from `start`: each key inserted (unless `kinds` is no-inserts),
+    updated, deleted, inserted again at random, 1,500 tries over 300 keys - or (only-inserts)
+    keys 201-400 inserted; and its rows after them."""
     rng = random.Random(seed)
     rows = {k: dict(r) for k, r in start.items()}
     out: list[tuple[str, dict]] = []
-    key_only = shape.key_only
+    key_only, inserts = shape.key_only, kinds != "no-inserts"
+    if kinds == "only-inserts":
+        new = [
+            {"id": i, "w": "n"} if key_only else {"id": i, "v": rng.randint(0, 100), "w": "n"}
+            for i in range(201, 401)
+        ]
+        out = [("I", r) for r in new]
+        return out, rows | {tuple(r[c] for c in shape.key): r for r in new}
     if shape.drift:
         out += [("U", rows[(5,)] | {"v": 99})] + [("I", {"id": 201, "v": 77, "w": "new"})] * inserts
         rows |= {(r["id"],): r for _, r in out}
@@ -106,13 +116,15 @@ def subscriber_rows(shape: Shape, rows: dict[tuple, dict]) -> set[tuple]:
     return {tuple(r[c] for c in cols) for r in kept}
 
 
-@pytest.mark.parametrize("kinds", ["inserts-too", "no-inserts"])
+@pytest.mark.parametrize("kinds", ["inserts-too", "no-inserts", "only-inserts"])
 @pytest.mark.parametrize("form", ["merge", "cte"])
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_a_staged_batch_leaves_the_rows_its_events_say(make_db, name, form, kinds):
+def test_a_staged_batch_leaves_the_rows_its_events_say(make_db, name, form, kinds, caplog):
     """`merge`: a table's events without inserts go through one MERGE (with inserts, or
-    `cte`, the CTE form)."""
+    `cte`, the CTE form; inserts alone, one INSERT).  With drift the subscriber holds key 201
+    already, which the batch inserts: the INSERT fails, and the CTE form upserts it."""
     shape = SHAPES[name]
+    caplog.set_level(logging.INFO, logger="pgcascade.apply")
     prov, sub = make_db(), make_db(installed=True)
     key_only = shape.key_only
     start = {
@@ -128,8 +140,9 @@ def test_a_staged_batch_leaves_the_rows_its_events_say(make_db, name, form, kind
         written = shape.column_list or cols
         initial = dict(start)
         if shape.drift:
-            initial = {k: r for k, r in start.items() if k[0] not in (5, 6)}
-            if kinds == "inserts-too":
+            lost = () if kinds == "only-inserts" else (5, 6)  # rows its updates write
+            initial = {k: r for k, r in start.items() if k[0] not in lost}
+            if kinds != "no-inserts":
                 initial[(201,)] = {"id": 201, "v": -7, "w": "old"}
         for r in initial.values():
             if shape.row_filter is None or r["v"] > 50:
@@ -139,7 +152,7 @@ def test_a_staged_batch_leaves_the_rows_its_events_say(make_db, name, form, kind
                     ),
                     [r[x] for x in written],
                 )
-    batch, final = events(shape, start, seed=sum(map(ord, name)), inserts=kinds == "inserts-too")
+    batch, final = events(shape, start, seed=sum(map(ord, name)), kinds=kinds)
 
     with prov.connect() as p, sub.connect() as s:
         st = SubscriberTable(
@@ -171,6 +184,12 @@ def test_a_staged_batch_leaves_the_rows_its_events_say(make_db, name, form, kind
         assert stats.count == len(batch)
         # MERGE refuses a table with rules: the CTE form, then row by row
         assert applier.merge_refused == (form == "merge" and name == "rule" and kinds == "no-inserts")
+        # inserts alone: one INSERT where the destination has a unique index and no row filter,
+        # which the key held here already makes fail
+        plain_insert = kinds == "only-inserts" and applier.insert_sql is not None
+        no_plain = ("no-unique-index-here", "partitions-a-row-moves-between", "row-filter")
+        assert plain_insert == (kinds == "only-inserts" and name not in no_plain)
+        assert ("here already; applying with ON CONFLICT" in caplog.text) == (plain_insert and shape.drift)
 
         got = set(s.execute("select {} from t".format(", ".join(shape.column_list or cols))).fetchall())
     assert got == subscriber_rows(shape, final)

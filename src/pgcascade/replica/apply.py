@@ -24,6 +24,7 @@ import logging
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import psycopg
@@ -140,6 +141,19 @@ def clear_stage(sub: psycopg.Connection) -> None:
     sub.execute("delete from pg_temp.pgcascade_stage")
 
 
+class Writes(Enum):
+    """What a table's row events in a segment are, which chooses its set-based statement."""
+
+    NO_INSERTS = "updates and deletes"  # MERGE
+    SOME_INSERTS = "inserts among others"  # the CTE form (applysql.set_based_sql)
+    ONLY_INSERTS = "inserts only"  # a plain INSERT (applysql.insert_sql)
+
+    @classmethod
+    def of(cls, inserts: bool, only_inserts: bool) -> Writes:
+        """The kind of a segment's events of a table: whether any, and whether all, are inserts."""
+        return cls.ONLY_INSERTS if only_inserts else cls.SOME_INSERTS if inserts else cls.NO_INSERTS
+
+
 @dataclass
 class TableApplier:
     """How one table's events are applied; built from both catalogs, reused batch after batch."""
@@ -151,6 +165,7 @@ class TableApplier:
     set_based: bool
     set_sql: bytes | None = field(default=None, repr=False)  # composed once: composing costs ~1 ms
     merge_sql: bytes | None = field(default=None, repr=False)  # the same as a MERGE (PostgreSQL 15+)
+    insert_sql: bytes | None = field(default=None, repr=False)  # a segment of inserts only
     inline_sql: bytes | None = field(default=None, repr=False)  # the same over a batch's JSON (inline.py)
     one_kind: dict[str, bytes] = field(default_factory=dict, repr=False)  # by kind: applysql.one_kind_sql
     one_kind_after: float = 0.0  # not before this time.monotonic(): its last one failed (inline.py)
@@ -187,7 +202,7 @@ class TableApplier:
         on_conflict = catalog.has_unique_index_on(sub, self.dest, self.keys)
         self.set_based = self.event_format == "json" and (on_conflict or self.unique_at_provider)
         self.json_nulls = catalog.has_json_columns(sub, self.dest)
-        self.set_sql = self.merge_sql = self.inline_sql = None
+        self.set_sql = self.merge_sql = self.inline_sql = self.insert_sql = None
         self.one_kind = {}
         self.peer_sql = {}
         if self.set_based:
@@ -199,6 +214,8 @@ class TableApplier:
             if not self.merge_refused and sub.info.server_version >= 150000:
                 self.merge_sql = applysql.merge_sql(shape).as_bytes(sub)
             self.inline_sql = applysql.set_based_sql(shape, applysql.INLINE_EVENTS).as_bytes(sub)
+            if (insert := applysql.insert_sql(shape)) is not None:
+                self.insert_sql = insert.as_bytes(sub)
             for kind in applysql.ONE_KIND:
                 if (one := applysql.one_kind_sql(shape, kind)) is not None:
                     self.one_kind[kind] = one.as_bytes(sub)
@@ -233,11 +250,13 @@ class TableApplier:
     def params(self, lo: int, hi: int, skip: str | None) -> dict:
         return {"t": self.table, "lo": lo, "hi": hi, "skip": skip}
 
-    def statement(self, inserts: bool) -> bytes:
-        """The set-based statement for a segment; `inserts`: it holds inserts of the table, which
-        go the CTE way - MERGE joins every net row to the table, and one empty when planned is
-        scanned whole for each (100,000 inserts: 41 s against 1.5 with ON CONFLICT's probes)."""
-        return (self.merge_sql if not inserts and self.merge_sql else self.set_sql) or b""
+    def statement(self, writes: Writes) -> bytes:
+        """The set-based statement for a segment of `writes`.  Inserts among others go the CTE
+        way - MERGE joins every net row to the table, and one empty when planned is scanned
+        whole for each (100,000 inserts: 41 s against 1.5 with ON CONFLICT's probes)."""
+        if writes is Writes.ONLY_INSERTS and self.insert_sql:
+            return self.insert_sql
+        return (self.merge_sql if writes is Writes.NO_INSERTS and self.merge_sql else self.set_sql) or b""
 
     def apply(
         self,
@@ -246,22 +265,26 @@ class TableApplier:
         hi: int,
         skip: str | None,
         rowwise: bool = False,
-        inserts: bool = True,
+        writes: Writes = Writes.SOME_INSERTS,
     ) -> None:
         params = self.params(lo, hi, skip)
         if self.set_based and not rowwise:
             try:
                 with sub.transaction():  # a savepoint: a failed set-based attempt leaves nothing behind
-                    sub.execute(self.statement(inserts), params, prepare=False)
+                    sub.execute(self.statement(writes), params, prepare=False)
                 return
             except psycopg.errors.FeatureNotSupported as e:
-                if inserts or self.merge_sql is None:  # ON CONFLICT refuses a table with rules, unfired
+                # ON CONFLICT refuses a table with rules, unfired
+                if writes is not Writes.NO_INSERTS or self.merge_sql is None:
                     log.info("%s: %s; applying row by row", self.dest, db_error_line(e))
                 else:  # MERGE refuses a table with rules or foreign partitions: the CTE form
                     log.info("%s: %s; applying with INSERT, UPDATE and DELETE", self.dest, db_error_line(e))
                     self.merge_refused, self.merge_sql = True, None
-                    return self.apply(sub, lo, hi, skip, inserts=inserts)
+                    return self.apply(sub, lo, hi, skip, writes=writes)
             except (psycopg.errors.UniqueViolation, psycopg.errors.ExclusionViolation) as e:
+                if writes is Writes.ONLY_INSERTS and self.insert_sql:  # a row here already: upserted
+                    log.info("%s: a key inserted is here already; applying with ON CONFLICT", self.dest)
+                    return self.apply(sub, lo, hi, skip, writes=Writes.SOME_INSERTS)
                 log.info("%s: set-based apply hit %s; applying row by row", self.dest, type(e).__name__)
         if rowwise and (self.row_filter is not None or self.column_list is not None):
             raise ApplyError(
@@ -323,7 +346,9 @@ def apply_staged(
     # there are barriers at all
     summary = sub.execute(STAGE_SUMMARY).fetchall()
     barriers: list[tuple] = []
-    only_segment: list[tuple] | None = [(t, n, partial, ins) for t, n, partial, ins, _ in summary if n]
+    only_segment: list[tuple] | None = [
+        (t, n, partial, ins, only) for t, n, partial, ins, only, _ in summary if n
+    ]
     if any(others for *_, others in summary):
         barriers = sub.execute(  # a repair's rows stay in the database: its function reads them
             "select ev_id, ev_type, case when ev_type <> %s then ev_data end, ev_extra1, ev_extra2"
@@ -377,17 +402,21 @@ def apply_staged(
     return stats
 
 
-# per table: its row events, whether any is partial SQL, whether any is an insert, its other events
+# per table: its row events, whether any is partial SQL, whether any and all are inserts, its
+# other events
 STAGE_SUMMARY = (
     "select ev_extra1, count(*) filter (where ev_type in ('I', 'U', 'D')),"
     " coalesce(bool_or(left(ev_data, 1) <> '{') filter (where ev_type in ('I', 'U', 'D')), false),"
-    " coalesce(bool_or(ev_type = 'I'), false), count(*) filter (where ev_type not in ('I', 'U', 'D'))"
+    " coalesce(bool_or(ev_type = 'I'), false),"
+    " coalesce(bool_and(ev_type = 'I') filter (where ev_type in ('I', 'U', 'D')), false),"
+    " count(*) filter (where ev_type not in ('I', 'U', 'D'))"
     " from pg_temp.pgcascade_stage group by 1 order by 1"
 )
 
-# the tables with row events in a segment: their count, whether any is partial SQL or an insert
+# the tables with row events in a segment: their count, whether any is partial SQL, whether
+# any and all are inserts
 SEGMENT_TABLES = (
-    "select ev_extra1, count(*), bool_or(left(ev_data, 1) <> '{'), bool_or(ev_type = 'I')"
+    "select ev_extra1, count(*), bool_or(left(ev_data, 1) <> '{'), bool_or(ev_type = 'I'), bool_and(ev_type = 'I')"
     " from pg_temp.pgcascade_stage"
     " where ev_id >= %s and ev_id < %s and ev_type in ('I', 'U', 'D') group by 1 order by 1"
 )
@@ -428,26 +457,26 @@ def apply_segment(
         rows = sub.execute(SEGMENT_TABLES, (lo, hi)).fetchall()
     if rows:
         flush_truncate(sub, pending_truncate)
-    todo: list[tuple[TableApplier, bool, bool]] = []
-    for table, n, partial_sql, inserts in rows:
+    todo: list[tuple[TableApplier, bool, Writes]] = []
+    for table, n, partial_sql, inserts, only_inserts in rows:
         stats.count += n
         stats.per_table[table] = stats.per_table.get(table, 0) + n
         a = appliers.get(table)
         if a is None:
             stats.ignored += n
         else:
-            todo.append((a, bool(partial_sql), bool(inserts)))
+            todo.append((a, bool(partial_sql), Writes.of(inserts, only_inserts)))
     if peer is not None:
         stats.conflicts += apply_peer_tables(sub, [a for a, *_ in todo], lo, hi, peer)
         return
     done = apply_set_based_together(
-        sub, [(a, inserts) for a, partial, inserts in todo if a.set_based and not partial], lo, hi, skip
+        sub, [(a, writes) for a, partial, writes in todo if a.set_based and not partial], lo, hi, skip
     )
-    for a, partial, inserts in todo:
+    for a, partial, writes in todo:
         if a.table in done:
             continue
         try:
-            a.apply(sub, lo, hi, skip, rowwise=partial, inserts=inserts)
+            a.apply(sub, lo, hi, skip, rowwise=partial, writes=writes)
         except psycopg.OperationalError:
             raise
         except psycopg.Error as e:
@@ -480,7 +509,7 @@ def apply_peer_tables(
 
 
 def apply_set_based_together(
-    sub: psycopg.Connection, appliers: list[tuple[TableApplier, bool]], lo: int, hi: int, skip: str | None
+    sub: psycopg.Connection, appliers: list[tuple[TableApplier, Writes]], lo: int, hi: int, skip: str | None
 ) -> set[str]:
     """The set-based statements of several tables under one savepoint, in one pipeline: two
     round trips for all of them instead of three per table.  The tables applied return; if
@@ -490,8 +519,8 @@ def apply_set_based_together(
         return set()
     try:
         with sub.pipeline(), sub.transaction():
-            for a, inserts in appliers:
-                sub.execute(a.statement(inserts), a.params(lo, hi, skip), prepare=False)
+            for a, writes in appliers:
+                sub.execute(a.statement(writes), a.params(lo, hi, skip), prepare=False)
     except psycopg.OperationalError:
         raise
     except psycopg.Error:
