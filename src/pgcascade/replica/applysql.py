@@ -81,7 +81,7 @@ def decoded(s: Shape, source: sql.Composable, kinds: str = "('I', 'U', 'D')") ->
     as subquery s (ev_type, ev_id, pgcascade_row).  The row is decoded in the subquery's select
     list, which OFFSET 0 keeps from being pulled up (and the call copied into every reference):
     called in FROM (cross join lateral) it ran as a function scan, which stores each result in a
-    tuplestore of its own - 16 % of a 100,000-row MERGE's CPU, a third of a plain INSERT's."""
+    tuplestore of its own: a 100,000-row MERGE took 1.34 s of CPU that way, 1.13 s this way."""
     return sql.SQL("(select s.ev_type, s.ev_id, {} as pgcascade_row from {} s where {} offset 0) s").format(
         populate(s), source, SEGMENT_EVENTS.format(sql.SQL(kinds))
     )
