@@ -167,7 +167,8 @@ def test_refusals_are_one_line_and_change_nothing(replica, make_db):
 def test_a_repair_sent_down_the_cascade_honours_the_filter(replica):
     """A repair run on a branch reaches a leaf below it as pgcascade.repair events of the root's
     rows (sql/replica/94_repair.sql): the filtered leaf inserts only the rows its filter passes."""
-    from pgcascade.replica.apply import APPLY_SETTINGS, STAGE_TABLE, TableApplier, ensure_stage
+    from pgcascade.replica.apply import APPLY_SETTINGS, TableApplier
+    from pgcascade.replica.stage import STAGE_TABLE, ensure_stage
 
     make_orders(replica.root)
     make_orders(replica.leaf)

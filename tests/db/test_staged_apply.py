@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from pgcascade.replica.apply import STAGE_TABLE, TableApplier, apply_staged, ensure_stage
+from pgcascade.replica.apply import TableApplier, apply_staged
+from pgcascade.replica.stage import STAGE_TABLE, ensure_stage
 from pgcascade.replica.state import TableState
 from pgcascade.replica.tables import SubscriberTable
 

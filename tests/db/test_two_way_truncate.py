@@ -7,9 +7,9 @@ import threading
 
 from pgcascade.core import schema
 from pgcascade.dev.localcluster import wait_until
-from pgcascade.replica.apply import ensure_stage
 from pgcascade.replica.peer_apply import PeerBatch
 from pgcascade.replica.peer_truncate import apply_peer_truncate
+from pgcascade.replica.stage import ensure_stage
 
 TRIGGER = "_pgcascade_tombstone_trunc"
 

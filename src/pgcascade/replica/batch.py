@@ -36,16 +36,10 @@ from pgcascade.pgq.queue import BatchInfo
 from pgcascade.replica import inline, peer_worker, stream
 from pgcascade.replica import seqs as subscriber_seqs
 from pgcascade.replica import tables as subscriber
-from pgcascade.replica.apply import (
-    APPLY_SETTINGS,
-    STAGE_TABLE,
-    BatchStats,
-    TableApplier,
-    apply_staged,
-    stage_batch,
-)
+from pgcascade.replica.apply import APPLY_SETTINGS, BatchStats, TableApplier, apply_staged
 from pgcascade.replica.ddl import DdlReplay, forget_tables_left
 from pgcascade.replica.parallel import ParallelApply, left_out
+from pgcascade.replica.stage import STAGE_TABLE, stage_batch
 
 log = logging.getLogger("pgcascade.replay")
 

@@ -39,9 +39,10 @@ from pgcascade.pgq import queue as q
 from pgcascade.replica import filters
 from pgcascade.replica import state as states
 from pgcascade.replica import tables as subscriber
-from pgcascade.replica.apply import APPLY_SETTINGS, TableApplier, apply_staged, stage_batch
+from pgcascade.replica.apply import APPLY_SETTINGS, TableApplier, apply_staged
 from pgcascade.replica.definitions import SavedDefinitions
 from pgcascade.replica.peer_apply import peer_batch
+from pgcascade.replica.stage import stage_batch
 from pgcascade.replica.state import Phase
 
 log = logging.getLogger("pgcascade.copy")

@@ -34,16 +34,8 @@ from pgcascade.core.hooks import pause_point
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq.queue import BatchInfo
 from pgcascade.replica import tables as subscriber
-from pgcascade.replica.apply import (
-    APPLY_SETTINGS,
-    BatchStats,
-    TableApplier,
-    apply_staged,
-    clear_stage,
-    ensure_stage,
-    stage_batch,
-    staged_barriers,
-)
+from pgcascade.replica.apply import APPLY_SETTINGS, BatchStats, TableApplier, apply_staged
+from pgcascade.replica.stage import clear_stage, ensure_stage, stage_batch, staged_barriers
 
 log = logging.getLogger("pgcascade.replay")
 

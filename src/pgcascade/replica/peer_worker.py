@@ -46,10 +46,11 @@ from pgcascade.pgq.queue import BatchInfo
 from pgcascade.replica import inline, peer_apply, peer_fast, prepared
 from pgcascade.replica import seqs as subscriber_seqs
 from pgcascade.replica import tables as subscriber
-from pgcascade.replica.apply import BatchStats, TableApplier, apply_staged, stage_batch
+from pgcascade.replica.apply import BatchStats, TableApplier, apply_staged
 from pgcascade.replica.conflicts import DEFAULT_POLICY
 from pgcascade.replica.ddl import DdlReplay, await_origins
 from pgcascade.replica.peer_apply import PEER_SEEN, PEER_SELECT, PEER_TIME, PeerBatch
+from pgcascade.replica.stage import stage_batch
 
 log = logging.getLogger("pgcascade.replay")
 

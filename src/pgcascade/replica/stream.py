@@ -44,14 +44,8 @@ from pgcascade.core.hooks import pause_point
 from pgcascade.pgq import queue as q
 from pgcascade.pgq.queue import BatchInfo
 from pgcascade.replica import applysql
-from pgcascade.replica.apply import (
-    STAGE_COLUMNS,
-    STAGE_TABLE,
-    BatchStats,
-    TableApplier,
-    apply_staged,
-    stage_statements,
-)
+from pgcascade.replica.apply import BatchStats, TableApplier, apply_staged
+from pgcascade.replica.stage import STAGE_COLUMNS, STAGE_TABLE, stage_statements
 
 log = logging.getLogger("pgcascade.replay")
 

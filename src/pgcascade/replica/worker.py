@@ -50,13 +50,14 @@ from pgcascade.pgq import queue as q
 from pgcascade.replica import inline, peer_worker, stream
 from pgcascade.replica import seqs as subscriber_seqs
 from pgcascade.replica import tables as subscriber
-from pgcascade.replica.apply import REPLICA_SESSION, TableApplier, ensure_stage
+from pgcascade.replica.apply import REPLICA_SESSION, TableApplier
 from pgcascade.replica.batch import Batches, BatchPhases
 from pgcascade.replica.copies import CopyLauncher
 from pgcascade.replica.copy import BulkCopier
 from pgcascade.replica.delay import ApplyDelay
 from pgcascade.replica.parallel import ParallelApply, ahead_of
 from pgcascade.replica.peer_loop import PEER_IDLE_POLL, PEER_SPACED_EVENTS, PEER_TICK_SPACING, PeerLoop
+from pgcascade.replica.stage import ensure_stage
 from pgcascade.replica.state import Phase
 
 log = logging.getLogger("pgcascade.replay")
