@@ -17,7 +17,7 @@ read once the postmaster has reaped them (before, it was read whether they had b
 not, so `provider` held them in some runs and not in others: 600 against 1,050 µs a transaction
 at 500 tps).
 
-    .venv/bin/python bench/path_cpu.py [--system pgcascade|pgcascade-logical|native|none]
+    .venv/bin/python bench/path_cpu.py [--system pgcascade|pgcascade-logical|native|londiste|none]
                                        [--rate 500] [--seconds 20] [--tpcb] [--rounds 1]
 """
 
@@ -158,6 +158,7 @@ def main() -> int:
         "pgcascade": rb.PgCascade,
         "pgcascade-logical": rb.PgCascadeLogical,
         "native": rb.Native,
+        "londiste": rb.Londiste,
         "none": rb.NoReplication,
     }
     try:
@@ -172,7 +173,7 @@ def main() -> int:
                 s.setup(pair, rb.TABLES)
                 time.sleep(2)
                 pids = {"provider": postmaster_pid(prov), "subscriber": postmaster_pid(sub)}
-                for name in ("worker", "ticker", "capture"):
+                for name in ("worker", "ticker", "capture", "pgqd"):
                     p = getattr(s, name, None)
                     if p is not None:
                         pids[name] = p.pid
