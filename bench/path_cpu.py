@@ -15,10 +15,16 @@ The writers' backends (pgbench's sessions) are shown apart (`writers`: the captu
 there) and left out of `provider`: their CPU is sampled while they live, and the provider's is
 read once the postmaster has reaped them (before, it was read whether they had been reaped or
 not, so `provider` held them in some runs and not in others: 600 against 1,050 µs a transaction
-at 500 tps).
+at 500 tps).  The provider's WAL written per transaction is printed too.  `--split` breaks
+both servers' CPU down by kind of process (backend_type and application_name, sampled as the
+writers are); `--statements` loads pg_stat_statements (track = all) on both and prints the
+statements that took most of their time, nested ones included.  `londiste` is Londiste 3 as
+replication_bench.py runs it (pgqd counted as its ticker), `capture` pgcascade's capture
+triggers alone (no worker, no ticker).
 
-    .venv/bin/python bench/path_cpu.py [--system pgcascade|pgcascade-logical|native|londiste|none]
+    .venv/bin/python bench/path_cpu.py [--system pgcascade|pgcascade-logical|native|londiste|capture|none]
                                        [--rate 500] [--seconds 20] [--tpcb] [--rounds 1]
+                                       [--split] [--statements]
 """
 
 from __future__ import annotations
@@ -92,11 +98,15 @@ class Meter:
 
 class Writers:
     """The CPU of pgbench's backends on the provider: sampled while they live (the last value
-    seen of each), so that it can be told apart from the provider's other processes."""
+    seen of each), so that it can be told apart from the provider's other processes.  The
+    other server processes of both clusters are sampled too, by kind (`split`)."""
 
-    def __init__(self, c: rb.LocalCluster, dbname: str):
+    def __init__(self, c: rb.LocalCluster, dbname: str, others: list[rb.LocalCluster] = ()):
         self.conninfo = c.connstr(dbname)
+        self.others = [(o.name, o.connstr("postgres")) for o in others]
         self.seen: dict[int, float] = {}
+        self.first: dict[int, float] = {}
+        self.kind: dict[int, str] = {}
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.sample, daemon=True)
 
@@ -106,11 +116,32 @@ class Writers:
         ]
 
     def sample(self) -> None:
-        with psycopg.connect(self.conninfo, autocommit=True) as conn:
-            while not self.stop.is_set():
-                for pid in self.pids(conn):
-                    self.seen[pid] = max(self.seen.get(pid, 0.0), proc_cpu(pid))
-                self.stop.wait(0.1)
+        conns = [(n, psycopg.connect(ci, autocommit=True)) for n, ci in self.others]
+        try:
+            with psycopg.connect(self.conninfo, autocommit=True) as conn:
+                while not self.stop.is_set():
+                    for pid in self.pids(conn):
+                        self.seen[pid] = max(self.seen.get(pid, 0.0), proc_cpu(pid))
+                    for name, c in conns:
+                        for pid, kind in c.execute(
+                            "select pid, backend_type || coalesce(' ' || nullif(application_name, ''), '')"
+                            " from pg_stat_activity where application_name <> 'pgbench'"
+                        ):
+                            cpu = proc_cpu(pid)
+                            self.first.setdefault(pid, cpu)
+                            self.kind[pid] = f"{name}: {kind}"
+                            self.seen[-pid] = max(self.seen.get(-pid, 0.0), cpu)
+                    self.stop.wait(0.1)
+        finally:
+            for _, c in conns:
+                c.close()
+
+    def split(self) -> dict[str, float]:
+        """CPU seconds of the other server processes seen, by cluster and kind."""
+        out: dict[str, float] = {}
+        for pid, kind in self.kind.items():
+            out[kind] = out.get(kind, 0.0) + self.seen[-pid] - self.first[pid]
+        return out
 
     def __enter__(self) -> Writers:
         self.thread.start()
@@ -130,7 +161,7 @@ class Writers:
                 time.sleep(0.05)
 
     def cpu(self) -> float:
-        return sum(self.seen.values())
+        return sum(v for p, v in self.seen.items() if p > 0)
 
 
 def main() -> int:
@@ -141,11 +172,17 @@ def main() -> int:
     ap.add_argument("--tpcb", action="store_true", help="TPC-B-like transactions (W1's), not -N")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--keep-logs", action="store_true")
+    ap.add_argument("--split", action="store_true", help="the servers' CPU by kind of process too")
+    ap.add_argument(
+        "--statements", action="store_true", help="pg_stat_statements (track = all): the costliest statements"
+    )
     args = ap.parse_args()
 
     base = Path(tempfile.mkdtemp(prefix="pgcascade-path-cpu-"))
     os.chmod(base, 0o777)
     common = {"shared_buffers": "1GB"}
+    if args.statements:
+        common.update({"shared_preload_libraries": "pg_stat_statements", "pg_stat_statements.track": "all"})
     prov = rb.new_cluster("provider", basedir=base, fast_unsafe=False, settings=common)
     sub = rb.new_cluster(
         "subscriber",
@@ -159,6 +196,7 @@ def main() -> int:
         "pgcascade-logical": rb.PgCascadeLogical,
         "native": rb.Native,
         "londiste": rb.Londiste,
+        "capture": rb.CaptureOnly,
         "none": rb.NoReplication,
     }
     try:
@@ -177,13 +215,20 @@ def main() -> int:
                     p = getattr(s, name, None)
                     if p is not None:
                         pids[name] = p.pid
+                if args.statements:
+                    for c in (prov, sub):
+                        with psycopg.connect(c.connstr(pair.name), autocommit=True) as conn:
+                            conn.execute("create extension if not exists pg_stat_statements")
+                            conn.execute("select pg_stat_statements_reset()")
                 meter = Meter(pids)
-                writers = Writers(prov, pair.name)
+                writers = Writers(prov, pair.name, [prov, sub] if args.split else [])
+                wal_before = wal_lsn(prov)
                 meter.start()
                 started = time.monotonic()
                 with writers:
                     r = lag_or_tps(s, pair, args)
                 secs = time.monotonic() - started
+                wal = wal_lsn(prov) - wal_before
                 writers.wait_gone()
                 cpu = meter.stop()
                 cpu["provider"] -= writers.cpu()
@@ -198,9 +243,15 @@ def main() -> int:
                 )
                 print(
                     f"{args.system} round {rnd + 1}: {r['tps']:.0f} tps; {lag}CPU per transaction, µs:"
-                    f" {parts}; all {1e6 * total / txns:.0f} ({total / secs:.2f} cores)",
+                    f" {parts}; all {1e6 * total / txns:.0f} ({total / secs:.2f} cores);"
+                    f" provider WAL {wal / txns:.0f} bytes a transaction",
                     flush=True,
                 )
+                if args.statements:
+                    for c in (prov, sub):
+                        print_statements(c, pair.name, txns)
+                for kind, v in sorted(writers.split().items()):
+                    print(f"  {kind}: {1e6 * v / txns:.0f} µs a transaction", flush=True)
             finally:
                 s.teardown(pair)
                 pair.drop()
@@ -212,6 +263,27 @@ def main() -> int:
 
             shutil.rmtree(base, ignore_errors=True)
     return 0
+
+
+def wal_lsn(c: rb.LocalCluster) -> int:
+    """The provider's WAL insert position, in bytes."""
+    with psycopg.connect(c.connstr("postgres"), autocommit=True) as conn:
+        return int(conn.execute("select pg_current_wal_insert_lsn() - '0/0'").fetchone()[0])
+
+
+def print_statements(c: rb.LocalCluster, dbname: str, txns: float, top: int = 40) -> None:
+    """The statements that took most of the server's time (nested ones too), per transaction."""
+    with psycopg.connect(c.connstr(dbname), autocommit=True) as conn:
+        rows = conn.execute(
+            "select total_exec_time + total_plan_time, calls, plans, toplevel,"
+            " regexp_replace(left(query, 110), '\\s+', ' ', 'g')"
+            " from pg_stat_statements where query not like '%%pg_stat_%%'"
+            " order by 1 desc limit %s",
+            (top,),
+        ).fetchall()
+    print(f"  {c.name}, statements by time (µs a transaction; calls; plans; top level):")
+    for ms, calls, plans, toplevel, query in rows:
+        print(f"    {1000 * ms / txns:7.0f}  {calls:8d} {plans:6d} {'T' if toplevel else ' '}  {query}")
 
 
 def lag_or_tps(s: rb.System, pair: rb.Pair, args: argparse.Namespace) -> dict:
