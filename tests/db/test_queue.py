@@ -576,6 +576,36 @@ def test_a_two_way_marker_alone_makes_no_tick_on_demand(qdb):
         assert [e[0] for e in json.loads(info.events)] == [marker, change]
 
 
+def test_a_tick_on_demand_is_notified_only_where_another_consumer_may_listen(qdb):
+    """A consumer alone on its queue reads the tick it asked for in the same call: nobody is
+    woken (no NOTIFY per batch).  Once another consumer is registered, every tick on demand
+    notifies it; the ticker's ticks always do."""
+
+    def fetch(conn: psycopg.Connection, finish: int | None):
+        return q.next_batch_events(
+            conn, Q, "c1", finish=finish, max_events=None, max_tick=None, inline_events=100
+        )
+
+    def heard(listener: psycopg.Connection) -> list[str]:
+        return [n.payload for n in listener.notifies(timeout=0.3)]
+
+    with qdb.connect() as conn, qdb.connect() as listener:
+        consume_all(conn, Q, "c1")
+        listener.execute("listen pgcascade_tick")
+        q.insert_event(conn, Q, "t", "alone")
+        alone = fetch(conn, None)
+        assert alone.batch_id is not None and alone.events is not None  # ticked on demand
+        assert heard(listener) == []
+        q.register_consumer(conn, Q, "c2")
+        q.insert_event(conn, Q, "t", "with another")
+        shared = fetch(conn, alone.batch_id)
+        assert shared.batch_id is not None and shared.cur_tick_id == (alone.cur_tick_id or 0) + 1
+        assert heard(listener) == [Q]
+        q.unregister_consumer(conn, Q, "c2")
+        q.ticker(conn, Q)
+        assert heard(listener) == [Q]
+
+
 def test_the_ticker_ticks_for_a_transaction_open_at_its_last_tick_once_it_commits(qdb):
     """The ticker daemon's check: events of a transaction in progress at the last tick wait once
     it commits (within ticker_max_lag, not the idle period), and do not while it is open."""

@@ -39,11 +39,14 @@ end $$;
 -- pgcascade.make_tick(queue_id, tick_id, tick_time, event_seq) -> tick_id.
 -- Records pg_current_snapshot() as the tick.  The caller holds the queue row lock, so ticks of
 -- one queue are serialized and each snapshot is taken after the previous tick committed.
--- NOTIFY pgcascade_tick (payload: queue name) wakes consumers at commit instead of polling.
+-- NOTIFY pgcascade_tick (payload: queue name) wakes consumers at commit instead of polling;
+-- `i_notify` false: nobody is to be woken (tick_if_waiting).
 -- The tick counts its own transaction as committed (see tick_snapshot), so events inserted
 -- in the same transaction as the tick - a cascade branch copying a batch - are in it.
+-- (a release before it had no i_notify)
+drop function if exists pgcascade.make_tick(pgcascade.queue, int8, timestamptz, int8);
 create or replace function pgcascade.make_tick(
-    q pgcascade.queue, i_tick_id int8, i_tick_time timestamptz, i_event_seq int8)
+    q pgcascade.queue, i_tick_id int8, i_tick_time timestamptz, i_event_seq int8, i_notify bool default true)
 returns int8
 language plpgsql as $$
 declare
@@ -65,7 +68,9 @@ begin
     insert into pgcascade.tick (tick_queue, tick_id, tick_time, tick_snapshot, tick_event_seq)
     values (q.queue_id, v_id, coalesce(i_tick_time, now()), pgcascade.tick_snapshot(),
             coalesce(i_event_seq, pg_sequence_last_value(q.queue_event_seq), 0));
-    perform pg_notify('pgcascade_tick', q.queue_name);
+    if i_notify then
+        perform pg_notify('pgcascade_tick', q.queue_name);
+    end if;
     return v_id;
 end $$;
 
