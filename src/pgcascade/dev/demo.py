@@ -12,6 +12,7 @@ leaf equals the root's.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import signal
 import socket
 import subprocess
@@ -99,11 +100,13 @@ def run_demo(seconds: float = 30.0, keep: bool = False, serve_port: int | None =
     clusters = {name: new_cluster(name, basedir=work / "clusters") for name in ("root", "branch1", "leaf1")}
     dbs = {name: c.create_database("shop") for name, c in clusters.items()}
     procs: list[subprocess.Popen] = []
+    passed = False
     try:
         ini = build_cascade(work, dbs, procs)
         start_page(console, ini["leaf1"], serve_port, procs)
         load = start_pgbench(dbs["root"], seconds)
         watch_until_in_sync(console, dbs, ini, load, seconds)
+        passed = True
     finally:
         for p in procs:
             if p.poll() is None:
@@ -116,6 +119,16 @@ def run_demo(seconds: float = 30.0, keep: bool = False, serve_port: int | None =
         else:
             for cluster in clusters.values():
                 cluster.destroy()
+            clean_up(console, work, passed)
+
+
+def clean_up(console: Console, work: Path, passed: bool) -> None:
+    """A demo's directory (configs, daemons' logs) once its clusters are gone: removed after a
+    passed check, kept to be read after a failure."""
+    if passed:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        console.print(f"the daemons' configs and logs are kept in {work}")
 
 
 def build_cascade(work: Path, dbs: dict[str, str], procs: list[subprocess.Popen]) -> dict[str, Path]:

@@ -20,6 +20,7 @@ from rich.text import Text
 
 from pgcascade.core import pgconn, schema
 from pgcascade.core.errors import RuntimeFailure
+from pgcascade.dev.demo import clean_up
 from pgcascade.dev.localcluster import new_cluster
 from pgcascade.monitor.status import queue_tables
 from pgcascade.pgq import queue as q
@@ -83,6 +84,7 @@ def run_queue_demo(seconds: float = 20.0, keep: bool = False) -> None:
     writers = [Writer(connstr, stop) for _ in range(2)]
     consumer = CountingConsumer(connstr, QUEUE, CONSUMER)
     consumer_thread = threading.Thread(target=consumer.run, kwargs={"max_idle": 0.2}, daemon=True)
+    passed = False
     try:
         for w in writers:
             w.start()
@@ -118,6 +120,7 @@ def run_queue_demo(seconds: float = 20.0, keep: bool = False) -> None:
             f"[green]check passed[/green]: {len(committed)} committed events consumed exactly once "
             f"in {consumer.batches} batches; rolled-back events never delivered"
         )
+        passed = True
     finally:
         stop.set()
         consumer.stop()
@@ -129,3 +132,4 @@ def run_queue_demo(seconds: float = 20.0, keep: bool = False) -> None:
             console.print(f"cluster left running: psql '{connstr}'")
         else:
             cluster.destroy()
+            clean_up(console, workdir, passed)
