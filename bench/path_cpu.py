@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import psycopg
@@ -101,7 +102,7 @@ class Writers:
     seen of each), so that it can be told apart from the provider's other processes.  The
     other server processes of both clusters are sampled too, by kind (`split`)."""
 
-    def __init__(self, c: rb.LocalCluster, dbname: str, others: list[rb.LocalCluster] = ()):
+    def __init__(self, c: rb.LocalCluster, dbname: str, others: Sequence[rb.LocalCluster] = ()):
         self.conninfo = c.connstr(dbname)
         self.others = [(o.name, o.connstr("postgres")) for o in others]
         self.seen: dict[int, float] = {}

@@ -82,17 +82,16 @@ def stage_statements(
         sql.SQL(batch_sql),  # composed by the provider's own function, with quoted literals
         sql.SQL(" where ") + sql.SQL(" and ").join(conditions) if conditions else sql.SQL(""),
     )
-    copy_in = sql.SQL("copy pg_temp.pgcascade_stage ({}) from stdin").format(cols)
+    copy_in = sql.SQL("copy {} ({}) from stdin").format(sql.SQL(STAGE_TABLE), cols)
     return query.as_bytes(prov), copy_in.as_bytes(sub)
 
 
 def staged_barriers(sub: psycopg.Connection) -> int:
     """TRUNCATE, EXECUTE and repair events staged: they order the row events around them."""
     barriers = ["R", "EXECUTE", q.REPAIR_EVENT]
-    return int(
-        scalar(sub, "select count(*) from pg_temp.pgcascade_stage where ev_type = any(%s)", (barriers,))
-    )
+    return int(scalar(sub, f"select count(*) from {STAGE_TABLE} where ev_type = any(%s)", (barriers,)))
 
 
 def clear_stage(sub: psycopg.Connection) -> None:
-    sub.execute("delete from pg_temp.pgcascade_stage")
+    """Empty the stage inside a transaction (its commit would, too)."""
+    sub.execute(f"delete from {STAGE_TABLE}")
