@@ -9,10 +9,13 @@ as literals, composed by `compose`) is sent with libpq's own loop - blocking, as
 results taken as libpq's objects, and only the rows wanted are loaded, by the loaders psycopg
 would use.  Errors are psycopg's own exceptions, built from the failed result, and
 notifications received meanwhile reach the connection as after any of its statements.
+A leaf's fetch comes back before its commit is done (`send_early`, then `settle`): the
+batch is applied meanwhile and committed after it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -83,6 +86,84 @@ def send(
     if failed is not None:
         raise psycopg.errors.error_from_result(failed, encoding=conn.info.encoding)
     return results
+
+
+def send_early(
+    conn: psycopg.Connection, statement: bytes, meanwhile: Callable[[], None] | None = None
+) -> PGresult:
+    """Run one statement (with literal values) in a transaction of its own and return its result
+    as soon as the statement is done - before its commit, whose WAL flush the caller overlaps
+    with other work.  One round trip of the extended protocol in libpq's pipeline mode: the
+    statement, a flush request (the server sends the result at once) and the sync that
+    commits.  `settle` reads the commit's outcome and must come before any other use of the
+    connection.  `meanwhile` is called once the message is sent."""
+    pg = conn.pgconn
+    pg.nonblocking = 0
+    pg.enter_pipeline_mode()
+    _PENDING.add(conn)
+    try:
+        pg.send_query_params(statement, None)
+        pg.send_flush_request()
+        pg.pipeline_sync()
+        try:
+            if meanwhile is not None:
+                meanwhile()
+        finally:
+            result = pg.get_result()
+            while pg.get_result() is not None:  # (the end of the statement's results)
+                pass
+    except BaseException:
+        settle(conn)
+        raise
+    if result is None or result.status != ExecStatus.TUPLES_OK:
+        settle(conn)  # (what is left of the pipeline; a lost connection raises there)
+        if result is not None and result.status == ExecStatus.FATAL_ERROR:
+            raise psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
+        raise psycopg.InterfaceError(f"no result from {statement[:60]!r}")
+    return result
+
+
+def committed(conn: psycopg.Connection) -> bool:
+    """Whether send_early's commit is done, read without waiting (settled if it is)."""
+    if conn not in _PENDING:
+        return True
+    pg = conn.pgconn
+    pg.consume_input()
+    if pg.is_busy():
+        return False
+    settle(conn)
+    return True
+
+
+def settle(conn: psycopg.Connection) -> None:
+    """Wait for send_early's commit and leave pipeline mode; raises if the statement or the
+    commit failed (a lost connection among them).  Nothing to do when nothing is pending."""
+    if conn not in _PENDING:
+        return
+    _PENDING.discard(conn)
+    pg = conn.pgconn
+    failed, ends = None, 0
+    try:
+        while pg.status == ConnStatus.OK and ends < 2:  # (an end of results, then the sync's)
+            r = pg.get_result()
+            if r is None:
+                ends += 1
+            elif r.status == ExecStatus.PIPELINE_SYNC:
+                break
+            elif failed is None and r.status == ExecStatus.FATAL_ERROR:
+                failed = r
+    finally:
+        with contextlib.suppress(psycopg.OperationalError):  # a lost connection: raised below
+            pg.exit_pipeline_mode()
+        pg.nonblocking = 1
+    _forward_notifies(conn)
+    _check_alive(conn)
+    if failed is not None:
+        raise psycopg.errors.error_from_result(failed, encoding=conn.info.encoding)
+
+
+# connections whose send_early commit is not read yet
+_PENDING: weakref.WeakSet[psycopg.Connection] = weakref.WeakSet()
 
 
 def load_rows(

@@ -154,24 +154,33 @@ def next_batch_events(
     seqs: list[str] | None = None,
     tick: bool = True,
     commit_times: bool = False,
+    early: bool = False,
     meanwhile: Callable[[], None] | None = None,
 ) -> BatchInfo:
     """One round trip: finish batch `finish` (if still open), tick the queue if `tick`, the
     consumer is caught up and committed events wait, open the next batch and return it - with
     its events inline when it holds at most `inline_events` events (their time their
-    transaction's commit time, with `commit_times`) - and the values of `seqs`.  `meanwhile`
-    is called while the provider runs it."""
+    transaction's commit time, with `commit_times`) - and the values of `seqs`.  With `early`,
+    a batch comes back before the call's commit is done (a tick it made waits for its WAL
+    flush): roundtrip.settle(conn) waits for it, and must come before the batch is applied
+    anywhere and before any other use of conn.  `meanwhile` is called while the provider runs
+    it."""
     # a worker's call at every batch: sent and read by libpq (core/roundtrip.py)
     query = roundtrip.compose(
         conn,
         "select * from pgcascade.next_batch_events(%s, %s, %s, %s, %s, %s, %s, %s, %s)",
         (queue, consumer, finish, max_events, max_tick, tick, inline_events, seqs, commit_times),
     )
-    (result,) = roundtrip.send(conn, query, meanwhile)
+    if early:
+        result = roundtrip.send_early(conn, query, meanwhile)
+    else:
+        (result,) = roundtrip.send(conn, query, meanwhile)
     names = roundtrip.column_names(result)
     (row,) = roundtrip.load_rows(
         conn, result, lambda values: BatchInfo(**dict(zip(names, values, strict=True)))
     )
+    if row.batch_id is None:
+        roundtrip.settle(conn)  # nothing to apply meanwhile
     return row
 
 

@@ -25,7 +25,7 @@ import psycopg
 
 from pgcascade.capture import logical as walcapture
 from pgcascade.capture import tables as set_tables
-from pgcascade.core import metrics
+from pgcascade.core import metrics, roundtrip
 from pgcascade.core.config import JobConfig
 from pgcascade.core.errors import db_error_line
 from pgcascade.core.hooks import pause_point
@@ -110,6 +110,7 @@ class Batches:
         durable = not self.commits_async(node)
         stats, lsn = None, None
         if node.is_peer:
+            roundtrip.settle(prov)
             self.use_peer_origin(sub, node)
             now, stats, fresh, lsn = peer_worker.apply_batch(
                 sub, prov, node, info, appliers, self.prov_logical, self.peer_state
@@ -124,7 +125,10 @@ class Batches:
             self.phases.mark("apply")
         elif self.applies_inline(node, info, appliers):
             try:
-                one = inline.apply_batch(sub, self.queue, node, info, appliers, self.seqs, durable)
+                # the fetch's commit (its tick's WAL flush) may still be under way on the
+                # provider: the batch is applied meanwhile and committed here after it
+                settle = None if roundtrip.committed(prov) else functools.partial(roundtrip.settle, prov)
+                one = inline.apply_batch(sub, self.queue, node, info, appliers, self.seqs, durable, settle)
                 stats, lsn = one.stats, one.lsn
                 self.keep_fresh(one.node, one.tables)
                 self.phases.mark("inline")
@@ -138,6 +142,7 @@ class Batches:
             except psycopg.Error as e:  # a unique violation, say: the general path resolves it
                 log.info("batch %d: %s; applying it the general way", info.batch_id, db_error_line(e))
         if stats is None:
+            roundtrip.settle(prov)
             general = functools.partial(self.general_batch, sub, prov, node, tables, info, appliers, durable)
             stats = self.general_or_whole(sub, info, general)
             if stats is None:
@@ -209,6 +214,7 @@ class Batches:
         log.info(
             "provider had us at tick %d, we applied up to %d: resuming there", info.prev_tick_id, last_tick
         )
+        roundtrip.settle(prov)
         q.resume_at(prov, self.queue, node.consumer, last_tick)
 
     def general_or_whole(
@@ -337,6 +343,7 @@ class Batches:
         # a table removed and added again with another filter or columns (--expect-sync) is rebuilt too
         key = tuple((t.table_name, t.dest_table, t.row_filter, str(t.column_list)) for t in ok)
         if key != self.applier_key:
+            roundtrip.settle(prov)
             formats = set_tables.event_formats(prov, self.queue)
             self.appliers = {
                 t.table_name: TableApplier.build(sub, prov, t, formats.get(t.table_name, "json")) for t in ok

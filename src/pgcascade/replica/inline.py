@@ -25,11 +25,13 @@ general path resolves row by row).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psycopg
@@ -165,15 +167,18 @@ def apply_batch(
     appliers: dict[str, TableApplier],
     seqs: list[tuple[str, str]],
     durable: bool,
+    before_commit: Callable[[], object] | None = None,
 ) -> Applied:
     """Apply and commit the batch in one round trip, and read the node and its tables again
     after the commit (the next round starts from them).  `durable`: commit with
-    synchronous_commit on.  Raises NotAtRecord or Moved when apply_begin refused the batch,
-    or the statement's error."""
+    synchronous_commit on.  `before_commit`: called between the apply and the commit, which
+    then go in two round trips.  Raises NotAtRecord or Moved when apply_begin refused the
+    batch, or the statement's error."""
     assert info.events is not None and info.row_counts is not None
+    message = functools.partial(apply_message, before_commit=before_commit)
     if sum(info.row_counts.values()) <= ONE_KIND_MAX:
         try:
-            return apply_message(sub, queue, node, info, appliers, seqs, durable, one_kind=True)
+            return message(sub, queue, node, info, appliers, seqs, durable, one_kind=True)
         except psycopg.Error as e:
             if e.sqlstate not in ONE_KIND_FAILED:
                 raise
@@ -184,7 +189,7 @@ def apply_batch(
             for t in info.row_counts:
                 if t in appliers:
                     appliers[t].one_kind_after = time.monotonic() + ONE_KIND_PAUSE
-    return apply_message(sub, queue, node, info, appliers, seqs, durable, one_kind=False)
+    return message(sub, queue, node, info, appliers, seqs, durable, one_kind=False)
 
 
 def apply_message(
@@ -196,9 +201,10 @@ def apply_message(
     seqs: list[tuple[str, str]],
     durable: bool,
     one_kind: bool,
+    before_commit: Callable[[], object] | None,
 ) -> Applied:
-    """apply_batch's one round trip; with `one_kind`, tables whose events are all of one kind
-    are applied by their one-kind statements."""
+    """apply_batch's one round trip (two with `before_commit`); with `one_kind`, tables whose
+    events are all of one kind are applied by their one-kind statements."""
     assert info.events is not None and info.row_counts is not None
     stats = BatchStats()
     todo = []
@@ -235,6 +241,11 @@ def apply_message(
     ]
     try:
         # one message: one round trip (psycopg's pipeline mode took several wake-ups per batch)
+        if before_commit is not None:
+            commit = statements.index(b"commit")
+            prepared.run(sub, statements[:commit])
+            call_in_transaction(sub, before_commit)
+            statements = statements[commit:]
         *_, lsn, now, tables = prepared.run(sub, statements)
     except psycopg.Error as e:
         if e.sqlstate == "PCRES":
@@ -248,6 +259,17 @@ def apply_message(
         roundtrip.load_rows(sub, now, nodes.node_from)[0],
         roundtrip.load_rows(sub, tables, subscriber.table_from),
     )
+
+
+def call_in_transaction(sub: psycopg.Connection, call: Callable[[], object]) -> None:
+    """`call()` while sub's transaction is open; rolled back if it fails."""
+    try:
+        call()
+    except BaseException:
+        if not sub.closed:
+            with contextlib.suppress(psycopg.Error):
+                sub.execute("rollback")
+        raise
 
 
 # read right after a batch's commit: the batch is durable once the WAL is flushed up to there

@@ -39,7 +39,7 @@ import time
 import psycopg
 
 from pgcascade.capture import logical as walcapture
-from pgcascade.core import metrics, pgconn, privileges
+from pgcascade.core import metrics, pgconn, privileges, roundtrip
 from pgcascade.core.config import JobConfig
 from pgcascade.core.daemon import Daemon
 from pgcascade.core.daemonlock import DaemonRole
@@ -357,13 +357,18 @@ class Worker(PeerLoop, Batches, Daemon):
             tick=ticks,
             # a peer's versions are its commit times (a logical peer's events carry them)
             commit_times=node.is_peer and not self.prov_logical,
+            # a leaf's batch may come before the fetch's commit is done (process_batch)
+            early=self.commits_async(node) and not node.is_peer,
             meanwhile=self.flush_stats,
         )
         self.unfinished = None
         if info.batch_id is not None:
             fetched, numbered = time.monotonic(), (info.cur_tick_event_seq or 0) - info.prev_tick_event_seq
-            pause_point("fetched", events=numbered)
-            applied = self.process_batch(sub, prov, node, tables, info)
+            try:
+                pause_point("fetched", events=numbered)
+                applied = self.process_batch(sub, prov, node, tables, info)
+            finally:
+                roundtrip.settle(prov)
             if node.is_peer and applied > PEER_SPACED_EVENTS:
                 self.tick_after = fetched + PEER_TICK_SPACING * (time.monotonic() - fetched)
         self.report_watermark(sub, prov, node)

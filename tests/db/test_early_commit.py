@@ -1,0 +1,56 @@
+"""A statement whose result comes back before its commit is done (roundtrip.send_early, the
+worker's fetch): the commit's outcome is read by settle, and the connection is as before."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+
+from pgcascade.core import roundtrip
+from pgcascade.pgq import queue as q
+
+Q = "earlyq"
+
+
+def test_the_result_comes_first_and_the_commit_is_settled_after(db):
+    """The row a statement wrote is committed once settle returns (another session sees it),
+    and the session goes on as a plain one: its next statements run in transactions of their
+    own."""
+    with db.connect() as conn, db.connect() as other:
+        conn.execute("create table t (i int primary key)")
+        result = roundtrip.send_early(conn, b"insert into t values (1) returning i")
+        assert roundtrip.load_rows(conn, result) == [(1,)]
+        roundtrip.settle(conn)
+        assert roundtrip.committed(conn)
+        assert other.execute("select count(*) from t").fetchone()[0] == 1
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        conn.execute("insert into t values (2)")
+        assert other.execute("select count(*) from t").fetchone()[0] == 2
+
+
+def test_a_failed_statement_raises_and_commits_nothing(db):
+    with db.connect() as conn, db.connect() as other:
+        conn.execute("create table t (i int primary key)")
+        conn.execute("insert into t values (1)")
+        with pytest.raises(psycopg.errors.UniqueViolation):
+            roundtrip.send_early(conn, b"insert into t values (2), (1) returning i")
+        assert roundtrip.committed(conn)
+        assert other.execute("select count(*) from t").fetchone()[0] == 1
+        assert conn.execute("select count(*) from t").fetchone()[0] == 1
+
+
+def test_an_early_fetch_opens_the_batch_its_commit_makes_durable(db):
+    """q.next_batch_events with `early`: the batch's events come back, the tick it made and
+    the open batch are the provider's once settled; an empty fetch is settled at once."""
+    with db.connect() as conn, db.connect() as other:
+        q.create_queue(conn, Q)
+        q.register_consumer(conn, Q, "c1")
+        q.insert_event(conn, Q, "t", "a")
+        fetch = dict(finish=None, max_events=None, max_tick=None, inline_events=100, early=True)
+        info = q.next_batch_events(conn, Q, "c1", **fetch)
+        assert info.batch_id is not None and info.events is not None and '"a"' in info.events
+        roundtrip.settle(conn)
+        assert other.execute("select max(tick_id) from pgcascade.tick").fetchone()[0] == info.cur_tick_id
+        assert q.next_batch_events(conn, Q, "c1", **{**fetch, "finish": info.batch_id}).batch_id is None
+        assert roundtrip.committed(conn)  # nothing left pending
+        assert conn.execute("select 1").fetchone() == (1,)
