@@ -306,7 +306,8 @@ def kill_processes_mentioning(marker: str) -> None:
 
 
 class Daemons:
-    """Daemons started by a test; whatever is still running at the end is killed by pid."""
+    """Daemons started by a test; whatever is still running at the end is killed by pid, with
+    what it started (copy processes, Spark's JVM): each daemon leads a process group of its own."""
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
@@ -323,6 +324,7 @@ class Daemons:
                 env={**os.environ, **env} if env else None,
                 stdout=out,
                 stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         p.output = lambda: path.read_text(errors="replace")  # type: ignore[attr-defined]
         self.procs.append(p)
@@ -340,6 +342,10 @@ class Daemons:
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGKILL)
                 p.wait(timeout=30)
+            # a copy process its worker left when a test killed the worker outlives it
+            # (as it should: the next worker finds it at work); the test is over now
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
         for f in self.outputs:
             with contextlib.suppress(OSError):
                 f.unlink()
