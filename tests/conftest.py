@@ -307,7 +307,8 @@ def kill_processes_mentioning(marker: str) -> None:
 
 class Daemons:
     """Daemons started by a test; whatever is still running at the end is killed by pid, with
-    what it started (copy processes, Spark's JVM): each daemon leads a process group of its own."""
+    the processes it started (a worker's copy processes): each daemon leads a process group of
+    its own."""
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
