@@ -60,6 +60,7 @@ class LocalCluster:
     basedir: Path
     port: int = field(default_factory=free_port)
     settings: dict[str, str] = field(default_factory=dict)
+    owns_basedir: bool = False  # new_cluster made basedir: destroy removes it once empty
     fast_unsafe: bool = True
     address: str = "127.0.0.1"
 
@@ -156,12 +157,15 @@ class LocalCluster:
         shutil.rmtree(self.datadir, ignore_errors=True)
         with contextlib.suppress(OSError):
             self.logfile.unlink()
+        if self.owns_basedir:
+            with contextlib.suppress(OSError):  # (only when empty)
+                self.basedir.rmdir()
 
 
 def new_cluster(name: str, basedir: Path | None = None, **kwargs: object) -> LocalCluster:
     """initdb and start a cluster; basedir defaults to a fresh temporary directory."""
     base = basedir or Path(tempfile.mkdtemp(prefix="pgcascade-"))
-    cluster = LocalCluster(name=name, basedir=base, **kwargs)  # type: ignore[arg-type]
+    cluster = LocalCluster(name=name, basedir=base, owns_basedir=basedir is None, **kwargs)  # type: ignore[arg-type]
     cluster.init().start()
     return cluster
 
