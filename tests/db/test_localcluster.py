@@ -7,7 +7,8 @@ from pgcascade.dev.localcluster import new_cluster
 
 def test_a_cluster_made_in_a_temporary_directory_leaves_nothing_once_destroyed() -> None:
     cluster = new_cluster("scratch")
-    assert cluster.connect().execute("select 1").fetchone() == (1,)
+    with cluster.connect() as conn:
+        assert conn.execute("select 1").fetchone() == (1,)
     base = cluster.basedir
     assert base.is_dir()
     cluster.destroy()
