@@ -448,6 +448,15 @@ alter table history enable always trigger log_applied;
 """
 
 
+def assert_applied_once(m: Master, ids: set[int]) -> None:
+    """Master m's peer applies (APPLIED_LOG's record) wrote each of `ids` once, and no other row."""
+    with m.db.connect() as conn:
+        twice = conn.execute("select id from applied_log group by id having count(*) > 1").fetchall()
+        applied = {r[0] for r in conn.execute("select id from applied_log")}
+    assert not twice, f"{m.name} applied rows twice: {twice[:10]}"
+    assert applied == ids
+
+
 def test_three_masters_lose_nothing_when_workers_are_killed_and_a_master_crashes(
     two_way: TwoWaySet, make_db, private_cluster
 ) -> None:
@@ -562,11 +571,7 @@ def test_masters_tick_each_others_queue_on_demand_and_a_kill_after_such_a_tick_l
     a.execute("insert into history select i, i, 1, 'a' from generate_series(41, 60) i")
     b.worker = two_way.daemons.start(str(b.ini), "worker")
     wait_until(lambda: len(two_way.rows_of("b", "history")) == 60, 30, what="a's 60 rows on b")
-    with b.db.connect() as conn:
-        twice = conn.execute("select id from applied_log group by id having count(*) > 1").fetchall()
-        applied = {r[0] for r in conn.execute("select id from applied_log")}
-    assert not twice, f"b applied rows twice: {twice}"
-    assert applied == set(range(1, 61))
+    assert_applied_once(b, set(range(1, 61)))
 
 
 def test_two_masters_with_logical_capture_converge_without_echo(two_way: TwoWaySet, make_db) -> None:

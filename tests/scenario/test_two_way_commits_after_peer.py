@@ -10,14 +10,10 @@ from __future__ import annotations
 import time
 
 from conftest import Daemons
-from test_leaf_commits_after_root import set_standby
-from test_two_way import APPLIED_LOG, TwoWaySet, two_way  # noqa: F401 (the fixture)
+from test_leaf_commits_after_root import WAITING, set_standby
+from test_two_way import APPLIED_LOG, TwoWaySet, assert_applied_once, two_way  # noqa: F401 (the fixture)
 
 from pgcascade.dev.localcluster import wait_until
-
-WAITING = (
-    "select count(*) from pg_stat_activity where datname = current_database() and wait_event = 'SyncRep'"
-)
 
 
 def hold_a_row(two_way: TwoWaySet, row: int) -> None:
@@ -60,8 +56,4 @@ def test_a_peer_batch_is_committed_only_once_its_tick_is_on_the_peer(two_way: Tw
     b.worker = two_way.daemons.start(str(b.ini), "worker")
     a.execute("insert into history values (4, 0, 1, 'a')")
     two_way.wait_converged("history", timeout=60)
-    with b.db.connect() as conn:
-        twice = conn.execute("select id from applied_log group by id having count(*) > 1").fetchall()
-        applied = {r[0] for r in conn.execute("select id from applied_log")}
-    assert not twice, f"b applied rows twice: {twice}"
-    assert applied == {1, 2, 3, 4}
+    assert_applied_once(b, {1, 2, 3, 4})
