@@ -36,6 +36,7 @@ from pgcascade.pgq.queue import BatchInfo
 from pgcascade.replica import inline, peer_worker, stream
 from pgcascade.replica import seqs as subscriber_seqs
 from pgcascade.replica import tables as subscriber
+from pgcascade.replica.ahead import AHEAD_MIN_EVENTS, Ahead, Fetch, Staged
 from pgcascade.replica.apply import APPLY_SETTINGS, BatchStats, TableApplier, apply_staged
 from pgcascade.replica.ddl import DdlReplay, forget_tables_left
 from pgcascade.replica.parallel import ParallelApply, left_out
@@ -88,6 +89,10 @@ class Batches:
     stats_line: tuple | None  # the last batch's, until flush_stats logs it
     peer_state: peer_worker.PeerState
     streamer: stream.Streamer
+    ahead: Ahead
+    fetch: Fetch | None
+    ahead_batch: Staged | None
+    finished_ahead: int | None
 
     def process_batch(
         self,
@@ -158,7 +163,7 @@ class Batches:
             # never moves: its batch is finished with the next fetch, one round trip less
             q.finish_batch(prov, info.batch_id)
             self.phases.mark("finish")
-        else:
+        elif self.finished_ahead != info.batch_id:
             self.unfinished = (self.prov_node, info.batch_id)  # finished with the next fetch
         if stats.executed:
             self.applier_key = ()  # DDL ran: read the tables' definitions again
@@ -201,6 +206,18 @@ class Batches:
         inline.Durability).  Nodes that repeat their provider's ticks (branches, merge-leaves)
         commit durably: a node below may read a tick of theirs before its flush."""
         return not (node.role.copies_events or node.combined_queue)
+
+    def fetches_ahead(self, node: nodes.Node, info: BatchInfo, plain: bool) -> bool:
+        """Whether the next batch is fetched and staged while this one is applied (ahead.py):
+        a large, plain batch of a leaf (`plain`: staged whole here, neither lanes nor chunks)."""
+        numbered = (info.cur_tick_event_seq or 0) - info.prev_tick_event_seq
+        return (
+            plain
+            and self.commits_async(node)
+            and not node.is_peer
+            and info.events is None
+            and numbered >= AHEAD_MIN_EVENTS
+        )
 
     def applies_inline(self, node: nodes.Node, info: BatchInfo, appliers: dict[str, TableApplier]) -> bool:
         return (
@@ -280,9 +297,15 @@ class Batches:
         carry = node.role.copies_events or bool(node.combined_queue)
         self.phases.mark("prepare")
         streamed = None
+        staged = (
+            self.ahead_batch if self.ahead_batch and self.ahead_batch.info.batch_id == info.batch_id else None
+        )
         if rows_applied is None and info.events is not None:
             inline.stage_inline(sub, info.events)
             self.phases.mark("stage")
+        elif rows_applied is None and staged is not None and staged.table is not None:
+            self.ahead.unload(sub, staged)
+            self.phases.mark("ahead")
         elif rows_applied is None and not carry and not node.combined_queue:
             streamed = stream.stage(self.streamer, prov, sub, info, appliers, self.queue)  # or in chunks
             self.phases.mark("stage" if streamed is None else "stream")
@@ -293,7 +316,18 @@ class Batches:
             self.drop_partition_truncates(sub)
         elif carry:
             q.carry_events(sub, self.queue, STAGE_TABLE)
-        stats = streamed or apply_staged(sub, appliers, queue=self.queue, ddl=DdlReplay(node).replay)
+        if self.fetch is not None and self.fetches_ahead(
+            node, info, rows_applied is None and streamed is None
+        ):
+            reading = staged.table if staged is not None else None
+            self.ahead.start(
+                lambda: nodes.provider_location(sub, node), self.prov_node, self.fetch, info.batch_id, reading
+            )
+        try:
+            stats = streamed or apply_staged(sub, appliers, queue=self.queue, ddl=DdlReplay(node).replay)
+        finally:
+            if self.ahead.join():
+                self.finished_ahead = info.batch_id
         if rows_applied is not None:
             stats.add(rows_applied)
         pause_point("applied-not-recorded", events=stats.count)  # written, the tick not recorded

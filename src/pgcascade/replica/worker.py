@@ -47,7 +47,7 @@ from pgcascade.core.errors import UserError
 from pgcascade.core.hooks import pause_point
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
-from pgcascade.replica import inline, peer_worker, stream
+from pgcascade.replica import ahead, inline, peer_worker, stream
 from pgcascade.replica import seqs as subscriber_seqs
 from pgcascade.replica import tables as subscriber
 from pgcascade.replica.apply import REPLICA_SESSION, TableApplier
@@ -109,6 +109,10 @@ class Worker(PeerLoop, Batches, Daemon):
             cfg.db, cfg.worker.apply_connections, cfg.worker.parallel_apply_min_events
         )
         self.streamer = stream.Streamer(cfg.db, self.queue, cfg.worker.stream_chunk_events)
+        self.ahead = ahead.Ahead(cfg.db, self.queue, cfg.worker.stream_chunk_events)
+        self.fetch: ahead.Fetch | None = None  # the last fetch's, for a fetch ahead (None: none)
+        self.ahead_batch: ahead.Staged | None = None  # the batch being applied, if staged ahead
+        self.finished_ahead: int | None = None  # a batch the fetch ahead finished on the provider
         self.peer_workers: dict[str, PeerLoop] = {}  # a master's: peer queue -> its worker
         self.prov_logical = False  # the provider is a two-way peer with logical capture
         self.origin_session: psycopg.Connection | None = None  # runs under the peer's replication origin
@@ -140,7 +144,7 @@ class Worker(PeerLoop, Batches, Daemon):
         self.copies.cfg = self.cfg
         self.parallel.lanes = self.cfg.worker.apply_connections
         self.parallel.min_events = self.cfg.worker.parallel_apply_min_events
-        self.streamer.chunk_events = self.cfg.worker.stream_chunk_events
+        self.streamer.chunk_events = self.ahead.chunk_events = self.cfg.worker.stream_chunk_events
         for queue, w in self.peer_workers.items():
             w.cfg = self.cfg.with_changes(queue_name=queue)
             w.reload()
@@ -154,6 +158,7 @@ class Worker(PeerLoop, Batches, Daemon):
         takeover makes it a branch)."""
         if self.sub is None or self.sub.closed:
             self.sub = self.subscriber_session()
+            self.ahead.drop_tables(self.sub)  # a crash's
             # what this node recorded before is durable once the WAL written so far is flushed
             self.durability = inline.Durability.new()
             tick, lsn = self.sub.execute(
@@ -219,6 +224,7 @@ class Worker(PeerLoop, Batches, Daemon):
         for c in (self.sub, self.prov):
             if c is not None:
                 c.close()
+        self.ahead.drop_tables()  # once the worker's transaction is gone, which may hold one
         self.sub = self.prov = None
         self.prov_node = None
         self.fresh = None
@@ -345,22 +351,34 @@ class Worker(PeerLoop, Batches, Daemon):
         )
         max_tick = self.delay.limit(self.cfg, prov, node, cap)
         ticks = not node.is_peer or time.monotonic() >= self.tick_after
-        info = q.next_batch_events(
-            prov,
-            self.queue,
-            node.consumer,
-            finish=self.unfinished[1] if self.unfinished and self.unfinished[0] == self.prov_node else None,
-            max_events=max_events,
-            max_tick=max_tick,
-            inline_events=INLINE_EVENTS,
-            seqs=None if node.is_peer else [s for s, _ in self.seqs] or None,
-            tick=ticks,
-            # a peer's versions are its commit times (a logical peer's events carry them)
-            commit_times=node.is_peer and not self.prov_logical,
-            # a leaf's batch may come before the fetch's commit is done (process_batch)
-            early=self.commits_async(node) and not node.is_peer,
-            meanwhile=self.flush_stats,
+        seqs = None if node.is_peer else [s for s, _ in self.seqs] or None
+        self.fetch = (
+            None
+            if node.is_peer or max_tick is not None
+            else ahead.Fetch(self.queue, node.consumer, max_events, INLINE_EVENTS, seqs)
         )
+        self.ahead_batch = self.staged_ahead(prov, node, max_tick)
+        if self.ahead_batch is not None:
+            info = self.ahead_batch.info  # fetched and staged while the last batch was applied
+        else:
+            info = q.next_batch_events(
+                prov,
+                self.queue,
+                node.consumer,
+                finish=self.unfinished[1]
+                if self.unfinished and self.unfinished[0] == self.prov_node
+                else None,
+                max_events=max_events,
+                max_tick=max_tick,
+                inline_events=INLINE_EVENTS,
+                seqs=seqs,
+                tick=ticks,
+                # a peer's versions are its commit times (a logical peer's events carry them)
+                commit_times=node.is_peer and not self.prov_logical,
+                # a leaf's batch may come before the fetch's commit is done (process_batch)
+                early=self.commits_async(node) and not node.is_peer,
+                meanwhile=self.flush_stats,
+            )
         self.unfinished = None
         if info.batch_id is not None:
             fetched, numbered = time.monotonic(), (info.cur_tick_event_seq or 0) - info.prev_tick_event_seq
@@ -384,6 +402,21 @@ class Worker(PeerLoop, Batches, Daemon):
             idle = self.poll_delay if self.polls else PEER_IDLE_POLL
             self.ask_at = max(self.tick_after, time.monotonic() + idle if info.batch_id is None else 0.0)
         return info.batch_id is not None
+
+    def staged_ahead(
+        self, prov: psycopg.Connection, node: nodes.Node, max_tick: int | None
+    ) -> ahead.Staged | None:
+        """The batch the last one fetched ahead (ahead.py), if this round may apply it; one it
+        may not (a tick cap came meanwhile, or it moved) puts the provider back at our record."""
+        staged = self.ahead.take()
+        if staged is None:
+            return None
+        fits = max_tick is None or (staged.info.cur_tick_id or 0) <= max_tick
+        if staged.provider == self.prov_node and not node.is_peer and fits:
+            return staged
+        if staged.provider == self.prov_node and node.last_tick is not None:
+            q.resume_at(prov, self.queue, node.consumer, node.last_tick)
+        return None
 
     # --- a merge-leaf (combined partitions) ---
     def combined_is_root(self, sub: psycopg.Connection, node: nodes.Node) -> bool:

@@ -1,0 +1,104 @@
+"""A catching-up leaf fetches and stages its next large batch while it applies the current one
+(replica/ahead.py): the leaf's rows equal the root's (an md5 of every row, by PostgreSQL) after
+a backlog of several large batches, after the worker is SIGKILLed while the batch fetched ahead
+is staged and the current one is not committed (the provider has finished it already), and
+after it is SIGKILLed between the current batch's commit and the next one's apply.  Updates that
+add to a value show any batch applied twice."""
+
+from __future__ import annotations
+
+import signal
+
+from pgcascade.dev.localcluster import wait_until
+
+ROWS = 25_000  # each transaction changes this many rows: a batch of at least AHEAD_MIN_EVENTS
+TABLES = ("public.t", "public.h")
+
+
+def setup(r) -> None:
+    """Both tables replicated, the worker stopped."""
+    for db in (r.root, r.leaf):
+        with db.connect() as conn:
+            conn.execute("create table t (id int primary key, v int)")
+            conn.execute("create table h (id bigint generated always as identity primary key, v int)")
+    # a batch merges ticks up to about this many events: one transaction, one batch
+    r.ini("leaf", r.leaf, parallel_copies=2, max_batch_events=ROWS)
+    r.setup(list(TABLES), leaf_args=("--expect-sync",))
+    worker = r.start_worker()
+    r.wait_sync()
+    r.daemons.kill(worker, signal.SIGTERM)
+    worker.wait(30)
+
+
+def write_backlog(r) -> None:
+    """Five transactions of ROWS changes each, a tick after each (no ticker runs: a tick in the
+    middle of one would number some of its events in the batch before)."""
+    statements = (
+        f"insert into t select i, i from generate_series(1, {ROWS}) i",
+        "update t set v = v + 1",
+        f"insert into h (v) select i from generate_series(1, {ROWS}) i",
+        "update t set v = v * 2",
+        "update t set v = v + 3",
+    )
+    with r.root.connect() as conn:
+        for statement in statements:
+            conn.execute(statement)
+            conn.execute("select pgcascade.ticker('rep')")
+
+
+def ahead_tables(r) -> int:
+    return r.leaf.scalar("select count(*) from pg_class where relname like 'pgcascade_ahead_%'")
+
+
+def assert_caught_up(r) -> None:
+    r.wait_sync()
+    for t in TABLES:
+        r.assert_equal(t)
+    wait_until(lambda: ahead_tables(r) == 0, 10, what="the fetch ahead's tables dropped")
+
+
+def paused_at(r, point: str) -> object:
+    """A worker that stops at `point` once a batch of ROWS events gets there."""
+    env = {"PGCASCADE_PAUSE_AT": point, "PGCASCADE_PAUSE_MIN_EVENTS": str(ROWS), "PGCASCADE_PAUSE_SECONDS": "120"}
+    worker = r.start_worker(env=env)
+    paused = f"pause point {point} (pid {worker.pid})"
+    wait_until(lambda: paused in r.log(), 120, what=paused)
+    return worker
+
+
+def test_backlog_applied_with_each_next_batch_staged_ahead(replica):
+    r = replica
+    setup(r)
+    write_backlog(r)
+    r.start_worker()
+    assert_caught_up(r)
+    assert r.log().count("ahead: ") == 4, r.log()[-3000:]  # batches taken from the table staged ahead
+
+
+def test_worker_killed_with_the_next_batch_staged_and_this_one_open(replica):
+    """The provider finished the batch under way before its commit here: the worker, started
+    again, finds the provider ahead of its record and resumes at the record."""
+    r = replica
+    setup(r)
+    write_backlog(r)
+    before = {t: r.leaf.scalar(f"select count(*) from {t}") for t in TABLES}
+    worker = paused_at(r, "staged-ahead")
+    assert ahead_tables(r) == 2
+    applied = r.leaf.scalar("select last_tick from pgcascade.node where queue_name = 'rep'")
+    provider_at = r.root.scalar("select sub_last_tick from pgcascade.subscription where sub_batch is not null")
+    assert provider_at > applied  # the batch being applied is finished there
+    r.daemons.kill(worker)
+    assert {t: r.leaf.scalar(f"select count(*) from {t}") for t in TABLES} == before
+    r.start_worker()
+    assert_caught_up(r)
+    assert "resuming there" in r.log()
+
+
+def test_worker_killed_between_a_commit_and_the_batch_staged_ahead(replica):
+    r = replica
+    setup(r)
+    write_backlog(r)
+    worker = paused_at(r, "applied")
+    r.daemons.kill(worker)
+    r.start_worker()
+    assert_caught_up(r)
