@@ -59,7 +59,11 @@ def assert_caught_up(r) -> None:
 
 def paused_at(r, point: str) -> object:
     """A worker that stops at `point` once a batch of ROWS events gets there."""
-    env = {"PGCASCADE_PAUSE_AT": point, "PGCASCADE_PAUSE_MIN_EVENTS": str(ROWS), "PGCASCADE_PAUSE_SECONDS": "120"}
+    env = {
+        "PGCASCADE_PAUSE_AT": point,
+        "PGCASCADE_PAUSE_MIN_EVENTS": str(ROWS),
+        "PGCASCADE_PAUSE_SECONDS": "120",
+    }
     worker = r.start_worker(env=env)
     paused = f"pause point {point} (pid {worker.pid})"
     wait_until(lambda: paused in r.log(), 120, what=paused)
@@ -85,7 +89,9 @@ def test_worker_killed_with_the_next_batch_staged_and_this_one_open(replica):
     worker = paused_at(r, "staged-ahead")
     assert ahead_tables(r) == 2
     applied = r.leaf.scalar("select last_tick from pgcascade.node where queue_name = 'rep'")
-    provider_at = r.root.scalar("select sub_last_tick from pgcascade.subscription where sub_batch is not null")
+    provider_at = r.root.scalar(
+        "select sub_last_tick from pgcascade.subscription where sub_batch is not null"
+    )
     assert provider_at > applied  # the batch being applied is finished there
     r.daemons.kill(worker)
     assert {t: r.leaf.scalar(f"select count(*) from {t}") for t in TABLES} == before

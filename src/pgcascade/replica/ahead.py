@@ -194,7 +194,9 @@ class Ahead:
         the end of a catch-up, and when the worker connects (a crash's)."""
         conn = conn or self.sub
         if conn is not None and not conn.closed:
-            tables = sql.SQL(", ").join(sql.SQL("pgcascade.{}").format(sql.Identifier(self.table(t))) for t in (0, 1))
+            tables = sql.SQL(", ").join(
+                sql.SQL("pgcascade.{}").format(sql.Identifier(self.table(t))) for t in (0, 1)
+            )
             try:
                 conn.execute(sql.SQL("drop table if exists {}").format(tables))
             except psycopg.Error as e:
