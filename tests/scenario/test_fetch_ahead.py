@@ -30,16 +30,18 @@ def setup(r) -> None:
     worker.wait(30)
 
 
-def write_backlog(r) -> None:
-    """Five transactions of ROWS changes each, a tick after each (no ticker runs: a tick in the
+BACKLOG = (
+    f"insert into t select i, i from generate_series(1, {ROWS}) i",
+    "update t set v = v + 1",
+    f"insert into h (v) select i from generate_series(1, {ROWS}) i",
+    "update t set v = v * 2",
+    "update t set v = v + 3",
+)
+
+
+def write_backlog(r, statements: tuple[str, ...] = BACKLOG) -> None:
+    """Transactions of ROWS changes each, a tick after each (no ticker runs: a tick in the
     middle of one would number some of its events in the batch before)."""
-    statements = (
-        f"insert into t select i, i from generate_series(1, {ROWS}) i",
-        "update t set v = v + 1",
-        f"insert into h (v) select i from generate_series(1, {ROWS}) i",
-        "update t set v = v * 2",
-        "update t set v = v + 3",
-    )
     with r.root.connect() as conn:
         for statement in statements:
             conn.execute(statement)
@@ -87,7 +89,7 @@ def test_worker_killed_with_the_next_batch_staged_and_this_one_open(replica):
     write_backlog(r)
     before = {t: r.leaf.scalar(f"select count(*) from {t}") for t in TABLES}
     worker = paused_at(r, "staged-ahead")
-    assert ahead_tables(r) == 2
+    assert ahead_tables(r) == 3  # both turns' raw events, and the next batch's rows decoded
     applied = r.leaf.scalar("select last_tick from pgcascade.node where queue_name = 'rep'")
     provider_at = r.root.scalar(
         "select sub_last_tick from pgcascade.subscription where sub_batch is not null"
@@ -108,3 +110,25 @@ def test_worker_killed_between_a_commit_and_the_batch_staged_ahead(replica):
     r.daemons.kill(worker)
     r.start_worker()
     assert_caught_up(r)
+
+
+def test_batches_the_fetch_ahead_cannot_decode_go_through_the_stage(replica, tmp_path):
+    """A batch with a TRUNCATE, and one with DDL: their rows are not decoded ahead; and the
+    batch after the DDL, decoded ahead for the table as it was, is applied for the table as it
+    is now (its rows from the stage, by the new column list)."""
+    r = replica
+    setup(r)
+    ddl = tmp_path / "add_w.sql"
+    ddl.write_text("alter table t add column w int not null default 0;\n")
+    with r.root.connect() as conn:
+        write_backlog(r, (f"insert into t select i, i from generate_series(1, {ROWS}) i",))
+        conn.execute(f"truncate h; insert into h (v) select i from generate_series(1, {ROWS}) i")
+        conn.execute("select pgcascade.ticker('rep')")
+        conn.execute("update t set v = v + 1")
+        r.cli("root", "execute", str(ddl))  # in the update's batch: no tick between
+        conn.execute("select pgcascade.ticker('rep')")
+        write_backlog(r, ("update t set w = v * 3", "update t set v = v + w"))
+    r.start_worker()
+    assert_caught_up(r)
+    assert r.leaf.scalar("select count(*) from t where w <> 0") == ROWS
+    assert r.log().count("ahead: ") == 4, r.log()[-3000:]

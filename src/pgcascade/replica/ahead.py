@@ -23,6 +23,7 @@ lanes, no chunks, no branch or merge-leaf, no delay and no table waiting for a c
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import threading
@@ -32,12 +33,15 @@ from dataclasses import dataclass, field
 import psycopg
 from psycopg import sql
 
-from pgcascade.core import pgconn, roundtrip
+from pgcascade.core import catalog, pgconn, roundtrip
 from pgcascade.core.errors import db_error_line
 from pgcascade.core.hooks import pause_point
 from pgcascade.pgq import queue as q
 from pgcascade.pgq.queue import BatchInfo
+from pgcascade.replica import stream
+from pgcascade.replica.apply import BatchStats, TableApplier
 from pgcascade.replica.stage import STAGE_COLUMNS, STAGE_TABLE, stage_statements
+from pgcascade.replica.stream import Chunk
 
 log = logging.getLogger("pgcascade.replay")
 
@@ -65,6 +69,8 @@ class Staged:
     info: BatchInfo
     provider: str | None  # the provider node it was fetched from
     table: str | None
+    chunk: Chunk | None = None  # its row changes decoded per table (None: to be applied from the stage)
+    appliers: dict[str, TableApplier] = field(default_factory=dict)  # what decoded them
 
 
 @dataclass
@@ -82,8 +88,13 @@ class Ahead:
     staged: Staged | None = None
     turn: int = 0  # which of the two tables the batch fetched goes into
 
+    @property
+    def prefix(self) -> str:
+        return "pgcascade_ahead_" + hashlib.sha1(self.name.encode()).hexdigest()[:8] + "_"
+
     def table(self, turn: int) -> str:
-        return "pgcascade_ahead_" + hashlib.sha1(self.name.encode()).hexdigest()[:8] + f"_{turn}"
+        """The table of the raw events of turn 0 or 1 (its decoded tables' names follow it)."""
+        return f"{self.prefix}{turn}"
 
     def start(
         self,
@@ -92,9 +103,10 @@ class Ahead:
         fetch: Fetch,
         finish: int,
         reading: str | None,
+        appliers: dict[str, TableApplier],
     ) -> None:
-        """Fetch the batch after `finish` and stage it, in a thread (`join` gets it), into the
-        table the worker's transaction is not `reading`."""
+        """Fetch the batch after `finish`, stage it into the table the worker's transaction is
+        not `reading` and decode it for `appliers`, in a thread (`join` gets it)."""
         assert self.thread is None
         self.turn = 1 if reading == self.table(0) else 0
         if self.prov_node != prov_node:
@@ -102,7 +114,9 @@ class Ahead:
         if self.sub is None or self.prov is None:
             self.connect(provider_dsn(), prov_node)
         self.outcome = []
-        self.thread = threading.Thread(target=self.run, args=(fetch, finish), name="fetch-ahead", daemon=True)
+        self.thread = threading.Thread(
+            target=self.run, args=(fetch, finish, dict(appliers)), name="fetch-ahead", daemon=True
+        )
         self.thread.start()
 
     def connect(self, provider_dsn: str, prov_node: str | None) -> None:
@@ -123,14 +137,14 @@ class Ahead:
         self.prov.execute("set application_name = 'pgcascade worker ahead'")
         self.prov_node = prov_node
 
-    def run(self, fetch: Fetch, finish: int) -> None:
-        """The thread: the next batch, staged into the next table."""
+    def run(self, fetch: Fetch, finish: int, appliers: dict[str, TableApplier]) -> None:
+        """The thread: the next batch, staged into the next table and decoded."""
         try:
-            self.outcome.append(self.fetch_and_stage(fetch, finish))
+            self.outcome.append(self.fetch_and_stage(fetch, finish, appliers))
         except BaseException as e:  # to the worker's thread (join)
             self.outcome.append(e)
 
-    def fetch_and_stage(self, fetch: Fetch, finish: int) -> Staged | None:
+    def fetch_and_stage(self, fetch: Fetch, finish: int, appliers: dict[str, TableApplier]) -> Staged | None:
         assert self.sub is not None and self.prov is not None
         info = q.next_batch_events(
             self.prov,
@@ -152,8 +166,15 @@ class Ahead:
         copy_out, _ = stage_statements(self.prov, self.sub, info)
         copy_in = sql.SQL("copy pgcascade.{} ({}) from stdin").format(table, sql.SQL(STAGE_COLUMNS))
         roundtrip.relay_copy(self.prov, copy_out, self.sub, copy_in.as_bytes(self.sub))
+        staged = Staged(info, self.prov_node, self.table(self.turn), appliers=appliers)
+        self.drop_decoded(self.sub, f"{staged.table}_")  # the turn before last's (committed since)
+        # other events than row changes of set-based tables (NotStreamed): applied from the stage
+        with contextlib.suppress(stream.NotStreamed):
+            staged.chunk = stream.decode_chunk(
+                self.sub, f"pgcascade.{staged.table}", appliers, f"{staged.table}_", 0
+            )
         pause_point("staged-ahead", events=numbered)
-        return Staged(info, self.prov_node, self.table(self.turn))
+        return staged
 
     def join(self) -> bool:
         """Wait for the thread; whether the batch it was given is finished on the provider (a
@@ -179,6 +200,34 @@ class Ahead:
             self.drop_tables()  # caught up, or a batch that goes its own way: the catch-up is over
         return staged
 
+    @staticmethod
+    def decoded(staged: Staged, appliers: dict[str, TableApplier]) -> bool:
+        """Whether the batch's decoded tables serve: decoded for these very appliers (a DDL
+        or a table that came or went since makes new ones)."""
+        return (
+            staged.chunk is not None
+            and staged.appliers.keys() == appliers.keys()
+            and all(appliers[t] is a for t, a in staged.appliers.items())
+        )
+
+    @staticmethod
+    def apply_decoded(sub: psycopg.Connection, staged: Staged, queue: str) -> BatchStats:
+        """Into the batch's transaction on sub: its decoded rows (stream.apply_chunk).  A
+        failure raises NotStreamed, after which the batch goes through the stage."""
+        chunk = staged.chunk
+        assert chunk is not None
+        staged.chunk = None  # once: a retry goes the other way
+        try:
+            columns = {a.table: [c.name for c in catalog.columns(sub, a.dest)] for a, _, _ in chunk.tables}
+            stream.apply_chunk(sub, chunk, columns, queue)
+        except psycopg.OperationalError:
+            raise
+        except psycopg.Error as e:
+            raise stream.NotStreamed(f"its rows decoded ahead failed: {db_error_line(e)}") from e
+        stats = BatchStats()
+        stats.add(chunk.stats)
+        return stats
+
     def unload(self, sub: psycopg.Connection, staged: Staged) -> None:
         """Into the batch's transaction on `sub`: its events, from the table into the stage."""
         assert staged.table is not None
@@ -190,19 +239,29 @@ class Ahead:
         )
 
     def drop_tables(self, conn: psycopg.Connection | None = None) -> None:
-        """Drop both tables (on `conn`, or this catch-up's session, which is then closed): at
-        the end of a catch-up, and when the worker connects (a crash's)."""
+        """Drop every table of the fetch ahead (on `conn`, or this catch-up's session, which is
+        then closed): at the end of a catch-up, and when the worker connects (a crash's)."""
         conn = conn or self.sub
         if conn is not None and not conn.closed:
-            tables = sql.SQL(", ").join(
-                sql.SQL("pgcascade.{}").format(sql.Identifier(self.table(t))) for t in (0, 1)
-            )
             try:
-                conn.execute(sql.SQL("drop table if exists {}").format(tables))
+                self.drop_decoded(conn, self.prefix)
             except psycopg.Error as e:
                 log.info("fetch ahead: %s", db_error_line(e))
         if conn is self.sub:
             self.close()
+
+    @staticmethod
+    def drop_decoded(conn: psycopg.Connection, prefix: str) -> None:
+        """Drop the worker's tables in schema pgcascade whose names start with `prefix`."""
+        names = conn.execute(
+            "select format('pgcascade.%%I', relname) from pg_class where relnamespace = 'pgcascade'::regnamespace"
+            " and relkind = 'r' and starts_with(relname::text, %s)",
+            (prefix,),
+        ).fetchall()
+        if names:
+            conn.execute(
+                sql.SQL("drop table if exists {}").format(sql.SQL(", ").join(sql.SQL(n) for (n,) in names))
+            )
 
     def close(self) -> None:
         """Close both sessions (a running thread is joined first)."""

@@ -297,13 +297,15 @@ class Batches:
         carry = node.role.copies_events or bool(node.combined_queue)
         self.phases.mark("prepare")
         streamed = None
-        staged = (
-            self.ahead_batch if self.ahead_batch and self.ahead_batch.info.batch_id == info.batch_id else None
-        )
+        staged = self.ahead_batch if rows_applied is None and self.ahead_batch else None
+        staged = staged if staged and staged.info.batch_id == info.batch_id else None
+        decoded = staged is not None and self.ahead.decoded(staged, appliers)
         if rows_applied is None and info.events is not None:
             inline.stage_inline(sub, info.events)
             self.phases.mark("stage")
-        elif rows_applied is None and staged is not None and staged.table is not None:
+        elif decoded:
+            self.phases.mark("ahead")  # its rows decoded while the batch before was applied
+        elif staged is not None and staged.table is not None:
             self.ahead.unload(sub, staged)
             self.phases.mark("ahead")
         elif rows_applied is None and not carry and not node.combined_queue:
@@ -320,11 +322,13 @@ class Batches:
             node, info, rows_applied is None and streamed is None
         ):
             reading = staged.table if staged is not None else None
-            self.ahead.start(
-                lambda: nodes.provider_location(sub, node), self.prov_node, self.fetch, info.batch_id, reading
-            )
+            provider = functools.partial(nodes.provider_location, sub, node)
+            self.ahead.start(provider, self.prov_node, self.fetch, info.batch_id, reading, appliers)
         try:
-            stats = streamed or apply_staged(sub, appliers, queue=self.queue, ddl=DdlReplay(node).replay)
+            if staged is not None and decoded:
+                stats = self.ahead.apply_decoded(sub, staged, self.queue)
+            else:
+                stats = streamed or apply_staged(sub, appliers, queue=self.queue, ddl=DdlReplay(node).replay)
         finally:
             if self.ahead.join():
                 self.finished_ahead = info.batch_id

@@ -130,6 +130,58 @@ class Chunk:
     tables: list[tuple[TableApplier, str, bool]]  # applier, chunk table, holds inserts
     cascade: list[tuple]  # the set's own events (OTHER_EVENTS)
     late: list[tuple[TableApplier, str]] = field(default_factory=list)  # late events' table
+    stats: BatchStats = field(default_factory=BatchStats)  # its events, by table
+    top: int = 0  # its highest ev_id
+
+
+def decode_chunk(
+    s: psycopg.Connection, landed: str, appliers: dict, prefix: str, top: int, number: int = 1
+) -> Chunk:
+    """The events in table `landed` of session s, checked (summary) and decoded per table into
+    unlogged tables named from `prefix` - those above ev_id `top` reduced to the last event per
+    key, those at or below it (late) each kept.  NotStreamed if it holds other events."""
+    found = summary(s, landed, appliers, top)
+    if found is None:
+        raise NotStreamed(f"chunk {number} holds other than row changes of set-based tables")
+    rows, others = found
+    chunk = Chunk(number, sum(r[1] for r in rows) + len(others), [], others)
+    chunk.stats.count += len(others)
+    for i, (t, n, _plain, _top, inserts, late) in enumerate(sorted(rows, key=lambda r: str(r[0]))):
+        chunk.stats.count += n
+        chunk.stats.per_table[t] = chunk.stats.per_table.get(t, 0) + n
+        a = appliers.get(t)
+        if a is None:
+            chunk.stats.ignored += n
+            continue
+        name = f"{prefix}{i}"
+        s.execute(decode_sql(a, name, top, late=False, source=landed), {"t": t})
+        chunk.tables.append((a, name, bool(inserts)))
+        if late:
+            s.execute(decode_sql(a, name + "_late", top, late=True, source=landed), {"t": t})
+            chunk.late.append((a, name + "_late"))
+    chunk.top = max([top, *(r[3] for r in rows)])
+    return chunk
+
+
+def apply_chunk(sub: psycopg.Connection, chunk: Chunk, columns: dict[str, list[str]], queue: str) -> None:
+    """Write a decoded chunk's net rows, table by table, then its set's own events, in the
+    batch's transaction on sub (`columns`: each destination's, in order)."""
+    for a, name, inserts in chunk.tables:
+        net = sql.SQL("select pgcascade_ev_type as ev_type, {} as pgcascade_row from pgcascade.{} c").format(
+            row_of(a, columns[a.table]), sql.Identifier(name)
+        )
+        write(sub, a, net, inserts)
+    for _id, *event in chunk.cascade:
+        sub.execute(CASCADE_EVENT, (queue, *event))
+
+
+def write(sub: psycopg.Connection, a: TableApplier, net: sql.Composable, inserts: bool) -> None:
+    """One table's net rows, by the key's index in key order."""
+    assert a.shape is not None
+    statement = applysql.set_based_sql(a.shape, net=net) if inserts else applysql.merge_sql(a.shape, net=net)
+    sub.execute(NESTED)
+    sub.execute(statement, {"t": a.table, "lo": 0, "hi": 0, "skip": None}, prepare=False)
+    sub.execute(UNNESTED)
 
 
 def stage(
@@ -237,49 +289,19 @@ class Chunks:
             self.ready.put(e)
 
     def decoded(self, s: psycopg.Connection, number: int) -> Chunk:
-        found = summary(s, LANDING, self.appliers, self.top)
-        if found is None:
-            raise NotStreamed(f"chunk {number} holds other than row changes of set-based tables")
-        rows, others = found
-        chunk = Chunk(number, sum(r[1] for r in rows) + len(others), [], others)
-        stats = self.decoded_stats
-        stats.count += len(others)
-        for i, (t, n, _plain, _top, inserts, late) in enumerate(sorted(rows, key=lambda r: str(r[0]))):
-            stats.count += n
-            stats.per_table[t] = stats.per_table.get(t, 0) + n
-            a = self.appliers.get(t)
-            if a is None:
-                stats.ignored += n
-                continue
-            name = f"{self.streamer.prefix}{number}_{i}"
-            self.streamer.dirty = True
-            s.execute(decode_sql(a, name, self.top, late=False), {"t": t})
-            chunk.tables.append((a, name, bool(inserts)))
-            if late:
-                s.execute(decode_sql(a, name + "_late", self.top, late=True), {"t": t})
-                chunk.late.append((a, name + "_late"))
-        self.top = max([self.top, *(r[3] for r in rows)])
+        self.streamer.dirty = True
+        chunk = decode_chunk(s, LANDING, self.appliers, f"{self.streamer.prefix}{number}_", self.top, number)
+        self.decoded_stats.add(chunk.stats)
+        self.top = max(self.top, chunk.top)
         return chunk
 
     def apply_chunk(self, chunk: Chunk) -> None:
         """Write a chunk's net rows, table by table, in the batch's transaction."""
-        for a, name, inserts in chunk.tables:
-            net = sql.SQL(
-                "select pgcascade_ev_type as ev_type, {} as pgcascade_row from pgcascade.{} c"
-            ).format(row_of(a, self.columns[a.table]), sql.Identifier(name))
-            self.write(a, net, inserts)
-        for _id, *event in chunk.cascade:
-            self.sub.execute(CASCADE_EVENT, (self.queue, *event))
+        apply_chunk(self.sub, chunk, self.columns, self.queue)
         self.done.append(chunk)
 
     def write(self, a: TableApplier, net: sql.Composable, inserts: bool) -> None:
-        assert a.shape is not None
-        statement = (
-            applysql.set_based_sql(a.shape, net=net) if inserts else applysql.merge_sql(a.shape, net=net)
-        )
-        self.sub.execute(NESTED)
-        self.sub.execute(statement, {"t": a.table, "lo": 0, "hi": 0, "skip": None}, prepare=False)
-        self.sub.execute(UNNESTED)
+        write(self.sub, a, net, inserts)
 
     def rewrite_late(self) -> None:
         """Each key with a late event, written again from its last event in the whole batch."""
@@ -306,10 +328,10 @@ def keys_of(a: TableApplier, alias: str) -> sql.Composed:
     )
 
 
-def decode_sql(a: TableApplier, name: str, top: int, late: bool) -> sql.Composed:
-    """The second session's statement: a table's events of the landing chunk above the chunks'
-    highest ev_id before it, decoded and reduced to the last one per key, into table `name` -
-    or (`late`) those at or below it, every one."""
+def decode_sql(a: TableApplier, name: str, top: int, late: bool, source: str = LANDING) -> sql.Composed:
+    """The second session's statement: a table's events of the landed chunk (`source`) above
+    the chunks' highest ev_id before it, decoded and reduced to the last one per key, into table
+    `name` - or (`late`) those at or below it, every one."""
     assert a.shape is not None
     body = sql.SQL(
         "select {distinct} s.ev_id as pgcascade_ev_id, s.ev_type as pgcascade_ev_type, r.*"
@@ -317,7 +339,7 @@ def decode_sql(a: TableApplier, name: str, top: int, late: bool) -> sql.Composed
         " where s.ev_extra1 = %(t)s and s.ev_id {cmp} {top}{order}"
     ).format(
         distinct=sql.SQL("") if late else sql.SQL("distinct on ({})").format(keys_of(a, "r")),
-        landing=sql.SQL(LANDING),
+        landing=sql.SQL(source),
         populate=applysql.populate(a.shape),
         cmp=sql.SQL("<=" if late else ">"),
         top=sql.Literal(top),
