@@ -1,14 +1,19 @@
-"""A catching-up leaf stages its next large batch while it applies the current one.
+"""A catching-up leaf fetches, stages and decodes its next large batch while it applies the
+current one.
 
-A batch of a backlog (W2a: 200,000 events) spends about a fifth of its time streaming its
-events from the provider into the apply session's stage, and the rest in the apply's
-statements, on one backend of the subscriber: one core of two works while the stream waits.
-So while a leaf applies a large batch, a thread fetches the next batch on a second provider
-session (finishing the current one there, which a leaf may do before its commit: see below)
-and streams its events into an unlogged table of the worker (`pgcascade.pgcascade_ahead_*`)
-through a second subscriber session.  The next batch's transaction then takes them from that
-table into its stage with one INSERT ... SELECT (a third of the stream's time) and applies
-them as any batch.
+A batch of a backlog (W2a: 200,000 events) was applied in two steps on one backend of the
+subscriber: its events streamed into the stage, then the set-based statements parsed each
+event's JSON, sorted by key and wrote - while the other core mostly waited.  So while a leaf
+applies a large batch, a thread fetches the next one on a second provider session (finishing
+the current one there, which a leaf may do before its commit: see below), streams its events
+into an unlogged table of the worker (`pgcascade.pgcascade_ahead_*`) through a second
+subscriber session, and decodes them there as stream.py decodes a chunk: each table's events
+parsed into the destination's column types and reduced to the last one per key, into an
+unlogged table per table.  The next batch's transaction then only writes those rows (by the
+key's index).  A batch that cannot be decoded so (a TRUNCATE, DDL, partial SQL, a table applied
+row by row), that was decoded for tables whose definitions changed since (DDL in the batch
+before), or whose decoded write fails, takes its raw events into the stage with one
+INSERT ... SELECT and is applied as any batch.
 
 Exactly once is untouched: the next batch is still applied in its own transaction, after the
 check that the node is at its first tick.  What changes is when the provider learns that the
@@ -219,7 +224,7 @@ class Ahead:
         staged.chunk = None  # once: a retry goes the other way
         try:
             columns = {a.table: [c.name for c in catalog.columns(sub, a.dest)] for a, _, _ in chunk.tables}
-            stream.apply_chunk(sub, chunk, columns, queue)
+            stream.apply_chunk(sub, chunk, columns, queue, whole=True)
         except psycopg.OperationalError:
             raise
         except psycopg.Error as e:

@@ -219,6 +219,19 @@ class Batches:
             and numbered >= AHEAD_MIN_EVENTS
         )
 
+    def staged_ahead(self, prov: psycopg.Connection, node: nodes.Node, max_tick: int | None) -> Staged | None:
+        """The batch the last one fetched ahead (ahead.py), if this round may apply it; one it
+        may not (a tick cap came meanwhile, or it moved) puts the provider back at our record."""
+        staged = self.ahead.take()
+        if staged is None:
+            return None
+        fits = max_tick is None or (staged.info.cur_tick_id or 0) <= max_tick
+        if staged.provider == self.prov_node and not node.is_peer and fits:
+            return staged
+        if staged.provider == self.prov_node and node.last_tick is not None:
+            q.resume_at(prov, self.queue, node.consumer, node.last_tick)
+        return None
+
     def applies_inline(self, node: nodes.Node, info: BatchInfo, appliers: dict[str, TableApplier]) -> bool:
         return (
             self.commits_async(node) and inline.takes(info, appliers) and not self.parallel.wanted(node, info)

@@ -44,7 +44,7 @@ from pgcascade.core.hooks import pause_point
 from pgcascade.pgq import queue as q
 from pgcascade.pgq.queue import BatchInfo
 from pgcascade.replica import applysql
-from pgcascade.replica.apply import BatchStats, TableApplier, apply_staged
+from pgcascade.replica.apply import BatchStats, TableApplier, Writes, apply_staged
 from pgcascade.replica.stage import STAGE_COLUMNS, STAGE_TABLE, stage_statements
 
 log = logging.getLogger("pgcascade.replay")
@@ -56,10 +56,11 @@ LANDING_DDL = (
 )
 LANDING_COPY = f"copy {LANDING} ({STAGE_COLUMNS}) from stdin".encode()
 # per table of a staged chunk: its row events, whether all are in JSON, the highest ev_id,
-# whether any is an insert, how many are at or below the chunks' highest before it
+# whether any is an insert, how many are at or below the chunks' highest before it, whether all are
 ROW_SUMMARY = (
     "select ev_extra1, count(*), bool_and(left(ev_data, 1) = '{{'), max(ev_id), bool_or(ev_type = 'I'),"
-    " count(*) filter (where ev_id <= %s) from {} where ev_type in ('I', 'U', 'D') group by 1"
+    " count(*) filter (where ev_id <= %s), bool_and(ev_type = 'I') from {}"
+    " where ev_type in ('I', 'U', 'D') group by 1"
 )
 # the chunk's other events: only the set's own (locations, watermarks: apply_cascade_event),
 # which no row depends on, can be applied after the chunk's rows (staged without ev_extra2,
@@ -127,7 +128,7 @@ class Chunk:
 
     number: int
     events: int
-    tables: list[tuple[TableApplier, str, bool]]  # applier, chunk table, holds inserts
+    tables: list[tuple[TableApplier, str, Writes]]  # applier, chunk table, what its events are
     cascade: list[tuple]  # the set's own events (OTHER_EVENTS)
     late: list[tuple[TableApplier, str]] = field(default_factory=list)  # late events' table
     stats: BatchStats = field(default_factory=BatchStats)  # its events, by table
@@ -146,7 +147,7 @@ def decode_chunk(
     rows, others = found
     chunk = Chunk(number, sum(r[1] for r in rows) + len(others), [], others)
     chunk.stats.count += len(others)
-    for i, (t, n, _plain, _top, inserts, late) in enumerate(sorted(rows, key=lambda r: str(r[0]))):
+    for i, (t, n, _plain, _top, inserts, late, only) in enumerate(sorted(rows, key=lambda r: str(r[0]))):
         chunk.stats.count += n
         chunk.stats.per_table[t] = chunk.stats.per_table.get(t, 0) + n
         a = appliers.get(t)
@@ -155,7 +156,7 @@ def decode_chunk(
             continue
         name = f"{prefix}{i}"
         s.execute(decode_sql(a, name, top, late=False, source=landed), {"t": t})
-        chunk.tables.append((a, name, bool(inserts)))
+        chunk.tables.append((a, name, Writes.of(bool(inserts), bool(only))))
         if late:
             s.execute(decode_sql(a, name + "_late", top, late=True, source=landed), {"t": t})
             chunk.late.append((a, name + "_late"))
@@ -163,14 +164,23 @@ def decode_chunk(
     return chunk
 
 
-def apply_chunk(sub: psycopg.Connection, chunk: Chunk, columns: dict[str, list[str]], queue: str) -> None:
+def apply_chunk(
+    sub: psycopg.Connection, chunk: Chunk, columns: dict[str, list[str]], queue: str, whole: bool = False
+) -> None:
     """Write a decoded chunk's net rows, table by table, then its set's own events, in the
-    batch's transaction on sub (`columns`: each destination's, in order)."""
-    for a, name, inserts in chunk.tables:
+    batch's transaction on sub (`columns`: each destination's, in order).  `whole`: the chunk
+    is a whole batch, so a table's inserts alone go in one plain INSERT (applysql.insert_sql's
+    reasons; a chunk of a streamed batch may hold a key an earlier one left)."""
+    for a, name, writes in chunk.tables:
+        assert a.shape is not None
+        plain = applysql.insert_rows_sql(a.shape, sql.Identifier("pgcascade", name))
+        if whole and writes is Writes.ONLY_INSERTS and plain is not None:
+            sub.execute(plain, prepare=False)
+            continue
         net = sql.SQL("select pgcascade_ev_type as ev_type, {} as pgcascade_row from pgcascade.{} c").format(
             row_of(a, columns[a.table]), sql.Identifier(name)
         )
-        write(sub, a, net, inserts)
+        write(sub, a, net, writes is not Writes.NO_INSERTS)
     for _id, *event in chunk.cascade:
         sub.execute(CASCADE_EVENT, (queue, *event))
 
@@ -215,7 +225,7 @@ def summary(
     """A staged chunk's tables (ROW_SUMMARY) and other events, or None when it holds other
     than row changes in JSON of tables applied set-based and the set's own events."""
     rows = conn.execute(sql.SQL(ROW_SUMMARY).format(sql.SQL(table)), (late_below,)).fetchall()
-    for t, _n, plain, _top, _ins, _late in rows:
+    for t, _n, plain, *_ in rows:
         a = appliers.get(t)
         if not plain or (a is not None and (not a.set_based or a.shape is None)):
             return None

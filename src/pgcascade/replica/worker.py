@@ -158,6 +158,7 @@ class Worker(PeerLoop, Batches, Daemon):
         takeover makes it a branch)."""
         if self.sub is None or self.sub.closed:
             self.sub = self.subscriber_session()
+            self.ahead.close()  # what it staged was for the session before
             self.ahead.drop_tables(self.sub)  # a crash's
             # what this node recorded before is durable once the WAL written so far is flushed
             self.durability = inline.Durability.new()
@@ -402,21 +403,6 @@ class Worker(PeerLoop, Batches, Daemon):
             idle = self.poll_delay if self.polls else PEER_IDLE_POLL
             self.ask_at = max(self.tick_after, time.monotonic() + idle if info.batch_id is None else 0.0)
         return info.batch_id is not None
-
-    def staged_ahead(
-        self, prov: psycopg.Connection, node: nodes.Node, max_tick: int | None
-    ) -> ahead.Staged | None:
-        """The batch the last one fetched ahead (ahead.py), if this round may apply it; one it
-        may not (a tick cap came meanwhile, or it moved) puts the provider back at our record."""
-        staged = self.ahead.take()
-        if staged is None:
-            return None
-        fits = max_tick is None or (staged.info.cur_tick_id or 0) <= max_tick
-        if staged.provider == self.prov_node and not node.is_peer and fits:
-            return staged
-        if staged.provider == self.prov_node and node.last_tick is not None:
-            q.resume_at(prov, self.queue, node.consumer, node.last_tick)
-        return None
 
     # --- a merge-leaf (combined partitions) ---
     def combined_is_root(self, sub: psycopg.Connection, node: nodes.Node) -> bool:
