@@ -176,7 +176,7 @@ class Ahead:
         # other events than row changes of set-based tables (NotStreamed): applied from the stage
         with contextlib.suppress(stream.NotStreamed):
             staged.chunk = stream.decode_chunk(
-                self.sub, f"pgcascade.{staged.table}", appliers, f"{staged.table}_", 0
+                self.sub, f"pgcascade.{staged.table}", appliers, f"{staged.table}_", 0, whole=True
             )
         pause_point("staged-ahead", events=numbered)
         return staged
@@ -224,7 +224,7 @@ class Ahead:
         staged.chunk = None  # once: a retry goes the other way
         try:
             columns = {a.table: [c.name for c in catalog.columns(sub, a.dest)] for a, _, _ in chunk.tables}
-            stream.apply_chunk(sub, chunk, columns, queue, whole=True)
+            stream.apply_chunk(sub, chunk, columns, queue, landed=f"pgcascade.{staged.table}")
         except psycopg.OperationalError:
             raise
         except psycopg.Error as e:

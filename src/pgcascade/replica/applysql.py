@@ -114,21 +114,6 @@ def insert_sql(s: Shape, source: sql.Composable = STAGE) -> sql.Composed | None:
     return _insert_net(s) + sql.SQL(" from ") + decoded(s, source, "('I')", alias="net")
 
 
-def insert_rows_sql(s: Shape, table: sql.Composable) -> sql.Composed | None:
-    """insert_sql for inserts decoded already, one row per key in `table` (alias c) of the
-    destination's columns (a batch decoded ahead: replica/ahead.py); None where insert_sql is."""
-    if not s.on_conflict or s.row_filter is not None:
-        return None
-    cols = sql.SQL(", ").join(map(sql.Identifier, s.cols))
-    return sql.SQL("insert into {dest} ({cols}){overriding} select {ccols} from {table} c").format(
-        dest=sql.SQL(s.dest),
-        cols=cols,
-        overriding=sql.SQL(" overriding system value" if s.identity else ""),
-        ccols=sql.SQL(", ").join(sql.SQL("c.{}").format(sql.Identifier(c)) for c in s.cols),
-        table=table,
-    )
-
-
 def _insert_net(s: Shape) -> sql.Composed:
     """INSERT of the written columns from the rows of `net` (the FROM follows)."""
     return sql.SQL("insert into {dest} ({cols}){overriding} select {rcols}").format(

@@ -44,7 +44,7 @@ from pgcascade.core.hooks import pause_point
 from pgcascade.pgq import queue as q
 from pgcascade.pgq.queue import BatchInfo
 from pgcascade.replica import applysql
-from pgcascade.replica.apply import BatchStats, TableApplier, Writes, apply_staged
+from pgcascade.replica.apply import MAX_EV_ID, BatchStats, TableApplier, Writes, apply_staged
 from pgcascade.replica.stage import STAGE_COLUMNS, STAGE_TABLE, stage_statements
 
 log = logging.getLogger("pgcascade.replay")
@@ -133,14 +133,24 @@ class Chunk:
     late: list[tuple[TableApplier, str]] = field(default_factory=list)  # late events' table
     stats: BatchStats = field(default_factory=BatchStats)  # its events, by table
     top: int = 0  # its highest ev_id
+    raw: list[TableApplier] = field(default_factory=list)  # inserts alone, left in the landed table
 
 
 def decode_chunk(
-    s: psycopg.Connection, landed: str, appliers: dict, prefix: str, top: int, number: int = 1
+    s: psycopg.Connection,
+    landed: str,
+    appliers: dict,
+    prefix: str,
+    top: int,
+    number: int = 1,
+    whole: bool = False,
 ) -> Chunk:
     """The events in table `landed` of session s, checked (summary) and decoded per table into
     unlogged tables named from `prefix` - those above ev_id `top` reduced to the last event per
-    key, those at or below it (late) each kept.  NotStreamed if it holds other events."""
+    key, those at or below it (late) each kept.  NotStreamed if it holds other events.  With
+    `whole` (the chunk is a whole batch), a table's inserts alone are left where they are, for
+    one plain INSERT from there (applysql.insert_sql: nothing to reduce; a chunk of a streamed
+    batch may hold a key an earlier chunk left)."""
     found = summary(s, landed, appliers, top)
     if found is None:
         raise NotStreamed(f"chunk {number} holds other than row changes of set-based tables")
@@ -154,6 +164,9 @@ def decode_chunk(
         if a is None:
             chunk.stats.ignored += n
             continue
+        if whole and only and a.shape is not None and applysql.insert_sql(a.shape) is not None:
+            chunk.raw.append(a)
+            continue
         name = f"{prefix}{i}"
         s.execute(decode_sql(a, name, top, late=False, source=landed), {"t": t})
         chunk.tables.append((a, name, Writes.of(bool(inserts), bool(only))))
@@ -165,18 +178,17 @@ def decode_chunk(
 
 
 def apply_chunk(
-    sub: psycopg.Connection, chunk: Chunk, columns: dict[str, list[str]], queue: str, whole: bool = False
+    sub: psycopg.Connection, chunk: Chunk, columns: dict[str, list[str]], queue: str, landed: str = ""
 ) -> None:
     """Write a decoded chunk's net rows, table by table, then its set's own events, in the
-    batch's transaction on sub (`columns`: each destination's, in order).  `whole`: the chunk
-    is a whole batch, so a table's inserts alone go in one plain INSERT (applysql.insert_sql's
-    reasons; a chunk of a streamed batch may hold a key an earlier one left)."""
-    for a, name, writes in chunk.tables:
+    batch's transaction on sub (`columns`: each destination's, in order; `landed`: the table
+    the chunk's raw inserts are in, decode_chunk's `whole`)."""
+    for a in chunk.raw:
         assert a.shape is not None
-        plain = applysql.insert_rows_sql(a.shape, sql.Identifier("pgcascade", name))
-        if whole and writes is Writes.ONLY_INSERTS and plain is not None:
-            sub.execute(plain, prepare=False)
-            continue
+        statement = applysql.insert_sql(a.shape, sql.SQL(landed))
+        assert statement is not None  # (decode_chunk left it raw for that)
+        sub.execute(statement, {"t": a.table, "lo": 0, "hi": MAX_EV_ID, "skip": None}, prepare=False)
+    for a, name, writes in chunk.tables:
         net = sql.SQL("select pgcascade_ev_type as ev_type, {} as pgcascade_row from pgcascade.{} c").format(
             row_of(a, columns[a.table]), sql.Identifier(name)
         )
