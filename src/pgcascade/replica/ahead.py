@@ -172,7 +172,7 @@ class Ahead:
         copy_in = sql.SQL("copy pgcascade.{} ({}) from stdin").format(table, sql.SQL(STAGE_COLUMNS))
         roundtrip.relay_copy(self.prov, copy_out, self.sub, copy_in.as_bytes(self.sub))
         staged = Staged(info, self.prov_node, self.table(self.turn), appliers=appliers)
-        self.drop_decoded(self.sub, f"{staged.table}_")  # the turn before last's (committed since)
+        stream.drop_tables(self.sub, f"{staged.table}_")  # the turn before last's (committed since)
         # other events than row changes of set-based tables (NotStreamed): applied from the stage
         with contextlib.suppress(stream.NotStreamed):
             staged.chunk = stream.decode_chunk(
@@ -249,24 +249,11 @@ class Ahead:
         conn = conn or self.sub
         if conn is not None and not conn.closed:
             try:
-                self.drop_decoded(conn, self.prefix)
+                stream.drop_tables(conn, self.prefix)
             except psycopg.Error as e:
                 log.info("fetch ahead: %s", db_error_line(e))
         if conn is self.sub:
             self.close()
-
-    @staticmethod
-    def drop_decoded(conn: psycopg.Connection, prefix: str) -> None:
-        """Drop the worker's tables in schema pgcascade whose names start with `prefix`."""
-        names = conn.execute(
-            "select format('pgcascade.%%I', relname) from pg_class where relnamespace = 'pgcascade'::regnamespace"
-            " and relkind = 'r' and starts_with(relname::text, %s)",
-            (prefix,),
-        ).fetchall()
-        if names:
-            conn.execute(
-                sql.SQL("drop table if exists {}").format(sql.SQL(", ").join(sql.SQL(n) for (n,) in names))
-            )
 
     def close(self) -> None:
         """Close both sessions (a running thread is joined first)."""

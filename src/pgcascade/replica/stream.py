@@ -105,21 +105,26 @@ class Streamer:
 
     def drop_chunks(self, conn: psycopg.Connection) -> None:
         """Drop the chunk tables of this worker (the last batch's, or a crash's) on `conn`."""
-        names = conn.execute(
-            "select format('pgcascade.%%I', relname) from pg_class where relnamespace = 'pgcascade'::regnamespace"
-            " and relkind = 'r' and starts_with(relname::text, %s)",
-            (self.prefix,),
-        ).fetchall()
-        if names:
-            conn.execute(
-                sql.SQL("drop table if exists {}").format(sql.SQL(", ").join(sql.SQL(n) for (n,) in names))
-            )
+        drop_tables(conn, self.prefix)
         self.dirty = False
 
     def close(self) -> None:
         if self.conn is not None:
             self.conn.close()
         self.conn = None
+
+
+def drop_tables(conn: psycopg.Connection, prefix: str) -> None:
+    """Drop the tables in schema pgcascade whose names start with `prefix` (a worker's)."""
+    names = conn.execute(
+        "select format('pgcascade.%%I', relname) from pg_class where relnamespace = 'pgcascade'::regnamespace"
+        " and relkind = 'r' and starts_with(relname::text, %s)",
+        (prefix,),
+    ).fetchall()
+    if names:
+        conn.execute(
+            sql.SQL("drop table if exists {}").format(sql.SQL(", ").join(sql.SQL(n) for (n,) in names))
+        )
 
 
 @dataclass
