@@ -436,6 +436,20 @@ class ReplicaSet:
             self.run("root", "add-table", *tables)
             self.run("leaf", "add-table", *tables, *leaf_args)
 
+    def set_up_stopped(self, ddl: tuple[str, ...], tables: tuple[str, ...], **leaf: object) -> None:
+        """`ddl` run on both sides, `tables` replicated (the leaf's ini with `leaf` too), the set's
+        own events applied, then the worker stopped: what is written next is a backlog."""
+        for db in (self.root, self.leaf):
+            with db.connect() as conn:
+                for statement in ddl:
+                    conn.execute(statement)
+        self.ini("leaf", self.leaf, parallel_copies=2, **leaf)
+        self.setup(list(tables), leaf_args=("--expect-sync",))
+        worker = self.start_worker()
+        self.wait_sync()
+        self.daemons.kill(worker, signal.SIGTERM)
+        worker.wait(30)
+
     def start_ticker(self) -> subprocess.Popen:
         ini = self.tmp / "ticker.ini"
         ini.write_text(

@@ -7,7 +7,6 @@ add to a value show any batch applied twice."""
 
 from __future__ import annotations
 
-import signal
 
 from pgcascade.dev.localcluster import wait_until
 
@@ -17,17 +16,12 @@ TABLES = ("public.t", "public.h")
 
 def setup(r) -> None:
     """Both tables replicated, the worker stopped."""
-    for db in (r.root, r.leaf):
-        with db.connect() as conn:
-            conn.execute("create table t (id int primary key, v int)")
-            conn.execute("create table h (id bigint generated always as identity primary key, v int)")
+    ddl = (
+        "create table t (id int primary key, v int)",
+        "create table h (id bigint generated always as identity primary key, v int)",
+    )
     # a batch merges ticks up to about this many events: one transaction, one batch
-    r.ini("leaf", r.leaf, parallel_copies=2, max_batch_events=ROWS)
-    r.setup(list(TABLES), leaf_args=("--expect-sync",))
-    worker = r.start_worker()
-    r.wait_sync()
-    r.daemons.kill(worker, signal.SIGTERM)
-    worker.wait(30)
+    r.set_up_stopped(ddl, TABLES, max_batch_events=ROWS)
 
 
 BACKLOG = (

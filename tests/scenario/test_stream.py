@@ -18,16 +18,8 @@ TABLES = ("public.t", "public.u")
 
 def setup(r) -> None:
     """Both tables replicated and the set's own events applied; the worker stopped."""
-    for db in (r.root, r.leaf):
-        with db.connect() as conn:
-            conn.execute("create table t (id int primary key, v int, s text)")
-            conn.execute("create table u (id int primary key, v int)")
-    r.ini("leaf", r.leaf, parallel_copies=2, stream_chunk_events=CHUNK)
-    r.setup(list(TABLES), leaf_args=("--expect-sync",))
-    worker = r.start_worker()
-    r.wait_sync()
-    r.daemons.kill(worker, signal.SIGTERM)
-    worker.wait(30)
+    ddl = ("create table t (id int primary key, v int, s text)", "create table u (id int primary key, v int)")
+    r.set_up_stopped(ddl, TABLES, stream_chunk_events=CHUNK)
 
 
 def write_batch(r, truncate: bool = False) -> None:
