@@ -1,12 +1,13 @@
-"""A catching-up leaf fetches and stages its next large batch while it applies the current one
-(replica/ahead.py): the leaf's rows equal the root's (an md5 of every row, by PostgreSQL) after
-a backlog of several large batches, after the worker is SIGKILLed while the batch fetched ahead
-is staged and the current one is not committed (the provider has finished it already), and
-after it is SIGKILLed between the current batch's commit and the next one's apply.  Updates that
-add to a value show any batch applied twice."""
+"""A catching-up leaf fetches, stages and decodes its next large batch while it applies the
+current one (replica/ahead.py): the leaf's rows equal the root's (an md5 of every row, by
+PostgreSQL) after a backlog of several large batches, after the worker is SIGKILLed while the
+batch fetched ahead is staged and the current one is not committed (the provider has finished
+it already), after it is SIGKILLed between the current batch's commit and the next one's apply,
+and when batches hold a TRUNCATE or DDL (not decoded ahead; the batch after the DDL, decoded
+for the table as it was, goes through the stage).  Updates that add to a value show any batch
+applied twice."""
 
 from __future__ import annotations
-
 
 from pgcascade.dev.localcluster import wait_until
 
