@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -90,6 +91,7 @@ def main() -> int:
         rb.PROCS.close()
         prov.destroy()
         sub.destroy()
+        shutil.rmtree(base, ignore_errors=True)  # the daemons' configs and logs
     return 0
 
 
