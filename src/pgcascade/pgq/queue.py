@@ -45,6 +45,12 @@ class BatchInfo:
     other_events: int | None = None
     seq_values: list[int | None] | None = None
 
+    @property
+    def numbered(self) -> int:
+        """The events numbered between its two ticks: its size, known before reading it (a tick
+        taken during a transaction counts that one's events numbered so far)."""
+        return (self.cur_tick_event_seq or 0) - self.prev_tick_event_seq
+
 
 # --- the SQL API, one call each -------------------------------------------------------------
 

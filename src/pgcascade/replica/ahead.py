@@ -132,10 +132,9 @@ class Ahead:
         for turn in (0, 1):
             t = sql.Identifier(self.table(turn))
             self.sub.execute(
-                sql.SQL(
-                    "create unlogged table if not exists pgcascade.{} (ev_id int8, ev_txid int8, ev_type text,"
-                    " ev_data text, ev_extra1 text)"
-                ).format(t)
+                sql.SQL("create unlogged table if not exists pgcascade.{} {}").format(
+                    t, sql.SQL(stream.RAW_EVENTS)
+                )
             )
         self.prov = pgconn.connect(provider_dsn, autocommit=True, connect_timeout=10)
         self.prov.execute("set synchronous_commit = off")  # as the worker's own (worker.connect)
@@ -163,8 +162,7 @@ class Ahead:
         )
         if info.batch_id is None:
             return None
-        numbered = (info.cur_tick_event_seq or 0) - info.prev_tick_event_seq
-        if info.events is not None or numbered > self.chunk_events:
+        if info.events is not None or info.numbered > self.chunk_events:
             return Staged(info, self.prov_node, None)
         table = sql.Identifier(self.table(self.turn))
         self.sub.execute(sql.SQL("truncate pgcascade.{}").format(table))
@@ -178,7 +176,7 @@ class Ahead:
             staged.chunk = stream.decode_chunk(
                 self.sub, f"pgcascade.{staged.table}", appliers, f"{staged.table}_", 0, whole=True
             )
-        pause_point("staged-ahead", events=numbered)
+        pause_point("staged-ahead", events=info.numbered)
         return staged
 
     def join(self) -> bool:
@@ -229,9 +227,7 @@ class Ahead:
             raise
         except psycopg.Error as e:
             raise stream.NotStreamed(f"its rows decoded ahead failed: {db_error_line(e)}") from e
-        stats = BatchStats()
-        stats.add(chunk.stats)
-        return stats
+        return chunk.stats
 
     def unload(self, sub: psycopg.Connection, staged: Staged) -> None:
         """Into the batch's transaction on `sub`: its events, from the table into the stage."""

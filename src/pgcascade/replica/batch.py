@@ -210,13 +210,12 @@ class Batches:
     def fetches_ahead(self, node: nodes.Node, info: BatchInfo, plain: bool) -> bool:
         """Whether the next batch is fetched and staged while this one is applied (ahead.py):
         a large, plain batch of a leaf (`plain`: staged whole here, neither lanes nor chunks)."""
-        numbered = (info.cur_tick_event_seq or 0) - info.prev_tick_event_seq
         return (
             plain
             and self.commits_async(node)
             and not node.is_peer
             and info.events is None
-            and numbered >= AHEAD_MIN_EVENTS
+            and info.numbered >= AHEAD_MIN_EVENTS
         )
 
     def staged_ahead(self, prov: psycopg.Connection, node: nodes.Node, max_tick: int | None) -> Staged | None:

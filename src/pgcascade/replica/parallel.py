@@ -165,8 +165,7 @@ class ParallelApply:
         """A leaf's batch big enough to be worth the lanes (the tick sequence counts events)."""
         if self.lanes < 2 or node.role.copies_events or node.combined_queue:
             return False
-        events = (info.cur_tick_event_seq or 0) - info.prev_tick_event_seq
-        return events >= self.min_events
+        return info.numbered >= self.min_events
 
     def apply(
         self,

@@ -50,10 +50,9 @@ from pgcascade.replica.stage import STAGE_COLUMNS, STAGE_TABLE, stage_statements
 log = logging.getLogger("pgcascade.replay")
 
 LANDING = "pg_temp.pgcascade_landing"
-LANDING_DDL = (
-    "create temp table if not exists pgcascade_landing"
-    " (ev_id int8, ev_txid int8, ev_type text, ev_data text, ev_extra1 text)"
-)
+# a table of raw events (STAGE_COLUMNS), as they come from the provider's queue
+RAW_EVENTS = "(ev_id int8, ev_txid int8, ev_type text, ev_data text, ev_extra1 text)"
+LANDING_DDL = f"create temp table if not exists pgcascade_landing {RAW_EVENTS}"
 LANDING_COPY = f"copy {LANDING} ({STAGE_COLUMNS}) from stdin".encode()
 # per table of a staged chunk: its row events, whether all are in JSON, the highest ev_id,
 # whether any is an insert, how many are at or below the chunks' highest before it, whether all are
@@ -132,7 +131,6 @@ class Chunk:
     """One chunk decoded by the second session: its tables' net rows, by table."""
 
     number: int
-    events: int
     tables: list[tuple[TableApplier, str, Writes]]  # applier, chunk table, what its events are
     cascade: list[tuple]  # the set's own events (OTHER_EVENTS)
     late: list[tuple[TableApplier, str]] = field(default_factory=list)  # late events' table
@@ -160,7 +158,7 @@ def decode_chunk(
     if found is None:
         raise NotStreamed(f"chunk {number} holds other than row changes of set-based tables")
     rows, others = found
-    chunk = Chunk(number, sum(r[1] for r in rows) + len(others), [], others)
+    chunk = Chunk(number, [], others)
     chunk.stats.count += len(others)
     for i, (t, n, _plain, _top, inserts, late, only) in enumerate(sorted(rows, key=lambda r: str(r[0]))):
         chunk.stats.count += n
@@ -289,7 +287,7 @@ class Chunks:
                 if isinstance(chunk, BaseException):
                     raise chunk
                 self.apply_chunk(chunk)
-                applied += chunk.events
+                applied += chunk.stats.count
                 pause_point("stream-chunk", events=applied)
         except psycopg.OperationalError:
             raise
@@ -327,9 +325,6 @@ class Chunks:
         apply_chunk(self.sub, chunk, self.columns, self.queue)
         self.done.append(chunk)
 
-    def write(self, a: TableApplier, net: sql.Composable, inserts: bool) -> None:
-        write(self.sub, a, net, inserts)
-
     def rewrite_late(self) -> None:
         """Each key with a late event, written again from its last event in the whole batch."""
         late: dict[str, list[str]] = {}
@@ -339,7 +334,7 @@ class Chunks:
         for table, names in late.items():
             a = self.appliers[table]
             mine = [name for chunk in self.done for t, name, _ in chunk.tables if t.table == table]
-            self.write(a, late_net(a, self.columns[table], [*mine, *names], names), inserts=True)
+            write(self.sub, a, late_net(a, self.columns[table], [*mine, *names], names), inserts=True)
 
 
 def row_of(a: TableApplier, columns: list[str]) -> sql.Composed:

@@ -382,7 +382,7 @@ class Worker(PeerLoop, Batches, Daemon):
             )
         self.unfinished = None
         if info.batch_id is not None:
-            fetched, numbered = time.monotonic(), (info.cur_tick_event_seq or 0) - info.prev_tick_event_seq
+            fetched, numbered = time.monotonic(), info.numbered
             try:
                 pause_point("fetched", events=numbered)
                 applied = self.process_batch(sub, prov, node, tables, info)
