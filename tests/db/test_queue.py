@@ -510,6 +510,54 @@ def test_a_consumer_ticks_when_a_transaction_open_at_the_last_tick_commits(qdb):
         assert sorted(e[0] for e in json.loads(info.events)) == open_ids
 
 
+def test_sequence_values_of_a_batch_cover_a_row_committed_while_its_call_ticked(qdb):
+    """The values of the subscriber's sequences come with each batch; a node promoted to root
+    hands out values from them.  A transaction that takes a value and commits while the call
+    that fetches the batch makes its tick is in the batch, so its value must be too (read
+    before the tick, it was not: a promoted node's insert collided with a replicated row).
+    The call is held, deterministically, just before it makes the tick's snapshot."""
+    hold = 4242
+    with qdb.connect() as conn:
+        conn.execute("create sequence s")
+        conn.execute(
+            "create function hold_tick() returns trigger language plpgsql as"
+            f" $$ begin perform pg_advisory_xact_lock({hold}); return null; end $$"
+        )
+        conn.execute(
+            "create trigger hold before insert on pgcascade.tick for each statement execute function hold_tick()"
+        )
+        consume_all(conn, Q, "c1")
+    fetched: dict[str, tuple] = {}
+    with qdb.connect() as holder, qdb.connect() as writer, qdb.connect() as fetcher:
+        holder.execute("select pg_advisory_lock(%s)", (hold,))
+        q.insert_event(writer, Q, "t", "waiting")  # committed: the fetch will tick
+        pid = fetcher.info.backend_pid
+
+        def fetch() -> None:  # psycopg's own call: it lets the test's thread run while it waits
+            fetched["batch"] = fetcher.execute(
+                "select events, seq_values from pgcascade.next_batch_events(%s, 'c1', null, null, null,"
+                " true, 100, array['s'], false)",
+                (Q,),
+            ).fetchone()
+
+        thread = threading.Thread(target=fetch)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while holder.execute(
+            "select wait_event is distinct from 'advisory' from pg_stat_activity where pid = %s", (pid,)
+        ).fetchone()[0]:
+            assert time.monotonic() < deadline, "the fetch never reached its tick"
+            time.sleep(0.01)
+        with writer.transaction():
+            value = writer.execute("select nextval('s')").fetchone()[0]
+            q.insert_event(writer, Q, "t", f"took {value}")
+        holder.execute("select pg_advisory_unlock(%s)", (hold,))
+        thread.join(timeout=10)
+    events, seq_values = fetched["batch"]
+    assert [e[3] for e in json.loads(events)] == ["waiting", f"took {value}"]
+    assert seq_values == [value]
+
+
 def test_inline_events_stay_under_a_byte_bound_and_can_carry_commit_times(qdb):
     """A small batch comes inline only while its events' data stay under 8 MB in all (the
     worker holds it in memory; JSON text stops at 1 GB): a few wide rows come by query. With

@@ -127,7 +127,8 @@ end $$;
 --                 `inline_events` events (null otherwise)
 --   row_counts    with inline events: {table: row events}
 --   other_events  with inline events: how many are not row events (I/U/D)
---   seq_values    the current values of the sequences named in `seqs` (null: no such one)
+--   seq_values    the values of the sequences named in `seqs`, read after the batch's later tick
+--                 (null: no such one)
 --   cur_tick_snapshot  the batch's later tick's snapshot, as text (a two-way master's marker
 --                 says it; a tick this call made is not in its caller's statement snapshot)
 -- With `commit_times`, inline events carry their transaction's commit time (track_commit_timestamp)
@@ -178,10 +179,6 @@ begin
         s.sub_batch := null;
         finished := true;
     end if;
-    if i_seqs is not null then
-        seq_values := array(select pg_sequence_last_value(to_regclass(n)) from unnest(i_seqs) with ordinality u(n, o)
-                             order by o);
-    end if;
     if s.sub_batch is null then
         -- the newest tick, by the primary key from its end: an EXISTS over tick_id > x was planned
         -- (generically, once the table had statistics) as a sequential scan that read every tick,
@@ -194,6 +191,14 @@ begin
                 made := pgcascade.tick_if_waiting(i_queue_name, readers.others);
             end if;
         end if;
+    end if;
+    -- read after any tick made above: a row committed before that tick's snapshot took its
+    -- value before it, so the values read now cover every row of the batch.  Read before the
+    -- tick, a transaction could take a value and commit in between: its row in the batch, the
+    -- value not, and a node promoted after it handed that value out again
+    if i_seqs is not null then
+        seq_values := array(select pg_sequence_last_value(to_regclass(n)) from unnest(i_seqs) with ordinality u(n, o)
+                             order by o);
     end if;
     select t.tick_time, t.tick_event_seq, t.tick_snapshot into prev_tick_time, prev_tick_event_seq, prev_snap
       from pgcascade.tick t where t.tick_queue = s.sub_queue and t.tick_id = s.sub_last_tick;
