@@ -3,6 +3,9 @@ worker's fetch): the commit's outcome is read by settle, and the connection is a
 
 from __future__ import annotations
 
+import threading
+import time
+
 import psycopg
 import pytest
 
@@ -54,3 +57,37 @@ def test_an_early_fetch_opens_the_batch_its_commit_makes_durable(db):
         assert q.next_batch_events(conn, Q, "c1", **{**fetch, "finish": info.batch_id}).batch_id is None
         assert roundtrip.committed(conn)  # nothing left pending
         assert conn.execute("select 1").fetchone() == (1,)
+
+
+def test_other_threads_run_while_a_round_trip_waits_for_the_server(db):
+    """A worker's round trips wait for their server without holding Python's lock: a fetch
+    ahead in a thread (replica/ahead.py) and the apply beside it each go on while the other
+    waits.  Each call here keeps the server busy half a second; a thread beside it must run."""
+    beats: list[float] = []
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(0.01):
+            beats.append(time.monotonic())
+
+    calls = {
+        "send": lambda conn, _: roundtrip.send(conn, b"select pg_sleep(0.5)"),
+        "send_early": lambda conn, _: roundtrip.send_early(conn, b"select pg_sleep(0.5)"),
+        "relay_copy": lambda conn, dst: roundtrip.relay_copy(
+            conn, b"copy (select pg_sleep(0.5)) to stdout", dst, b"copy t from stdin"
+        ),
+    }
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        with db.connect() as conn, db.connect() as dst:
+            dst.execute("create table t (v text)")
+            for name, call in calls.items():
+                start = time.monotonic()
+                call(conn, dst)
+                roundtrip.settle(conn)
+                during = [b for b in beats if start < b < time.monotonic()]
+                assert len(during) >= 20, f"{name}: the other thread ran {len(during)} times in 0.5 s"
+    finally:
+        stop.set()
+        thread.join()

@@ -5,10 +5,13 @@ batch's one message to its subscriber (replica/inline.py).  psycopg's cursor doe
 bookkeeping in Python (a result object, the row maker, the loaders looked up again per
 result): about 0.2 ms of the worker's 2.1 ms of CPU per batch at 500 tps, the subscriber's
 message holding ~14 statements.  Here a statement (or a message of several, with their values
-as literals, composed by `compose`) is sent with libpq's own loop - blocking, as PQexec - its
-results taken as libpq's objects, and only the rows wanted are loaded, by the loaders psycopg
-would use.  Errors are psycopg's own exceptions, built from the failed result, and
-notifications received meanwhile reach the connection as after any of its statements.
+as literals, composed by `compose`) is sent with libpq's own calls, its results taken as
+libpq's objects, and only the rows wanted are loaded, by the loaders psycopg would use.  Every
+wait for the server is a poll() here, with the GIL released: libpq's own blocking waits hold
+it, and froze every other thread of the worker meanwhile (the fetch ahead's thread while the
+apply waited for its server, and the other way round).  Errors are psycopg's own exceptions,
+built from the failed result, and notifications received meanwhile reach the connection as
+after any of its statements.
 A leaf's fetch comes back before its commit is done (`send_early`, then `settle`): the
 batch is applied meanwhile and committed after it.
 """
@@ -16,6 +19,7 @@ batch is applied meanwhile and committed after it.
 from __future__ import annotations
 
 import contextlib
+import select
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,7 +28,7 @@ import psycopg
 from psycopg import abc
 from psycopg.adapt import Transformer
 from psycopg.pq import ConnStatus, ExecStatus
-from psycopg.pq.abc import PGresult
+from psycopg.pq.abc import PGconn, PGresult
 
 _BINDERS: weakref.WeakKeyDictionary[psycopg.Connection, psycopg.ClientCursor] = weakref.WeakKeyDictionary()
 _TRANSFORMERS: weakref.WeakKeyDictionary[psycopg.Connection, abc.Transformer] = weakref.WeakKeyDictionary()
@@ -70,14 +74,14 @@ def send(
     which raises here as psycopg would raise it; the transaction is left as the server left it.
     `meanwhile` is called once the message is sent, while the server runs it."""
     pg = conn.pgconn
-    pg.nonblocking = 0  # libpq sends the whole message and waits for each result itself
+    pg.nonblocking = 0  # libpq sends the whole message before it returns
     try:
         pg.send_query(message)
         try:
             if meanwhile is not None:
                 meanwhile()
         finally:
-            results = list(iter(pg.get_result, None))
+            results = list(iter(lambda: _result(pg), None))
     finally:
         pg.nonblocking = 1
     _forward_notifies(conn)
@@ -109,8 +113,8 @@ def send_early(
             if meanwhile is not None:
                 meanwhile()
         finally:
-            result = pg.get_result()
-            while pg.get_result() is not None:  # (the end of the statement's results)
+            result = _result(pg)
+            while _result(pg) is not None:  # (the end of the statement's results)
                 pass
     except BaseException:
         settle(conn)
@@ -145,7 +149,7 @@ def settle(conn: psycopg.Connection) -> None:
     failed, ends = None, 0
     try:
         while pg.status == ConnStatus.OK and ends < 2:  # (an end of results, then the sync's)
-            r = pg.get_result()
+            r = _result(pg)
             if r is None:
                 ends += 1
             elif r.status == ExecStatus.PIPELINE_SYNC:
@@ -208,41 +212,34 @@ class CopyOut:
         self.src = src
         self.ended = False  # every row was read
         self.rows = 0
-        src.pgconn.nonblocking = 0  # libpq waits for each piece itself
-        try:
-            _begin_copy(src, copy_out, ExecStatus.COPY_OUT)
-        except BaseException:
-            src.pgconn.nonblocking = 1
-            raise
+        _begin_copy(src, copy_out, ExecStatus.COPY_OUT)
 
     def relay(self, dst: psycopg.Connection, copy_in: bytes, rows: int | None = None) -> tuple[int, int]:
         """Move the next `rows` rows (None: all that are left) into `copy_in` on dst; rows and
         bytes moved.  A failure of the source raises once its COPY is over (close)."""
         dp = dst.pgconn
-        dp.nonblocking = 0
-        try:
-            _begin_copy(dst, copy_in, ExecStatus.COPY_IN)
-            moved, count, buf, written = 0, 0, bytearray(), True
-            get, put = self.src.pgconn.get_copy_data, dp.put_copy_data
-            while written and (rows is None or count < rows):  # a row a message: handed on in pieces
-                got = get(0)
-                if got[0] < 0:
-                    self.ended = True
-                    break
-                buf += got[1]
-                count += 1
-                if len(buf) >= RELAY_PIECE:
-                    written = put(bytes(buf)) > 0
-                    moved += len(buf)
-                    buf.clear()
-            if written and buf:
-                written = put(bytes(buf)) > 0
+        _begin_copy(dst, copy_in, ExecStatus.COPY_IN)
+        moved, count, buf = 0, 0, bytearray()
+        sp = self.src.pgconn
+        while rows is None or count < rows:  # a row a message: handed on in pieces
+            got = _copy_row(sp)
+            if got is None:
+                self.ended = True
+                break
+            buf += got
+            count += 1
+            if len(buf) >= RELAY_PIECE:
+                _put(dp, bytes(buf))
                 moved += len(buf)
-            failed = _results(self.src) if self.ended else None
-            dp.put_copy_end(None if failed is None and written else b"the rows' source failed")
-            in_failed = _results(dst)
-        finally:
-            dp.nonblocking = 1
+                buf.clear()
+        if buf:
+            _put(dp, bytes(buf))
+            moved += len(buf)
+        failed = _results(self.src) if self.ended else None
+        while not dp.put_copy_end(None if failed is None else b"the rows' source failed"):
+            _flush(dp)
+        _flush(dp)
+        in_failed = _results(dst)
         self.rows += count
         if failed is not None:
             raise psycopg.errors.error_from_result(failed, encoding=self.src.info.encoding)
@@ -253,12 +250,9 @@ class CopyOut:
 
     def close(self) -> None:
         """Read what is left unread (a stream given up), and give the source back."""
-        try:
-            if not self.ended:
-                self.ended = True
-                _end_copy_out(self.src)
-        finally:
-            self.src.pgconn.nonblocking = 1
+        if not self.ended:
+            self.ended = True
+            _end_copy_out(self.src)
 
 
 RELAY_PIECE = 1 << 16
@@ -266,8 +260,12 @@ RELAY_PIECE = 1 << 16
 
 def _begin_copy(conn: psycopg.Connection, query: bytes, status: ExecStatus) -> None:
     pg = conn.pgconn
-    pg.send_query(query)
-    result = pg.get_result()
+    pg.nonblocking = 0  # the statement sent whole before send_query returns
+    try:
+        pg.send_query(query)
+    finally:
+        pg.nonblocking = 1  # (COPY FROM's pieces: each sent by _flush)
+    result = _result(pg)
     if result is not None and result.status == status:
         return
     failed = result if result is not None and result.status == ExecStatus.FATAL_ERROR else None
@@ -279,7 +277,7 @@ def _begin_copy(conn: psycopg.Connection, query: bytes, status: ExecStatus) -> N
 
 def _end_copy_out(conn: psycopg.Connection) -> PGresult | None:
     """Read what is left of a COPY TO STDOUT (after a failure on the other side); its error."""
-    while conn.pgconn.get_copy_data(0)[0] >= 0:
+    while _copy_row(conn.pgconn) is not None:
         pass
     return _results(conn)
 
@@ -287,12 +285,54 @@ def _end_copy_out(conn: psycopg.Connection) -> PGresult | None:
 def _results(conn: psycopg.Connection) -> PGresult | None:
     """The statement's remaining results; the failed one, if any."""
     pg, failed = conn.pgconn, None
-    while (r := pg.get_result()) is not None:
+    while (r := _result(pg)) is not None:
         if failed is None and r.status == ExecStatus.FATAL_ERROR:
             failed = r
     _forward_notifies(conn)
     _check_alive(conn)
     return failed
+
+
+def _result(pg: PGconn) -> PGresult | None:
+    """pg.get_result(), the wait for it done here (_wait)."""
+    while pg.is_busy():
+        _wait(pg, select.POLLIN)
+        pg.consume_input()
+    return pg.get_result()
+
+
+def _copy_row(pg: PGconn) -> memoryview | None:
+    """The next row of a COPY TO STDOUT; None at its end."""
+    while True:
+        size, row = pg.get_copy_data(1)
+        if size > 0:
+            return row
+        if size < 0:
+            return None
+        _wait(pg, select.POLLIN)
+        pg.consume_input()
+
+
+def _put(pg: PGconn, piece: bytes) -> None:
+    """Send a piece of a COPY FROM STDIN (its connection nonblocking)."""
+    while not pg.put_copy_data(piece):  # (libpq could not make room for it: send what it has)
+        _flush(pg)
+    _flush(pg)
+
+
+def _flush(pg: PGconn) -> None:
+    """Send what a nonblocking connection holds, reading what the server sends meanwhile (as
+    libpq asks)."""
+    while pg.flush():
+        _wait(pg, select.POLLIN | select.POLLOUT)
+        pg.consume_input()
+
+
+def _wait(pg: PGconn, events: int) -> None:
+    """Wait until the connection's socket is ready for `events`, with the GIL released."""
+    poller = select.poll()
+    poller.register(pg.socket, events)
+    poller.poll()
 
 
 def _forward_notifies(conn: psycopg.Connection) -> None:
