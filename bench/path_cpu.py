@@ -15,12 +15,13 @@ The writers' backends (pgbench's sessions) are shown apart (`writers`: the captu
 there) and left out of `provider`: their CPU is sampled while they live, and the provider's is
 read once the postmaster has reaped them (before, it was read whether they had been reaped or
 not, so `provider` held them in some runs and not in others: 600 against 1,050 µs a transaction
-at 500 tps).  The provider's WAL written per transaction is printed too.  `--split` breaks
-both servers' CPU down by kind of process (backend_type and application_name, sampled as the
-writers are); `--statements` loads pg_stat_statements (track = all) on both and prints the
-statements that took most of their time, nested ones included.  `londiste` is Londiste 3 as
-replication_bench.py runs it (pgqd counted as its ticker), `capture` pgcascade's capture
-triggers alone (no worker, no ticker).
+at 500 tps).  The provider's WAL written per transaction is printed too, and how often each
+cluster flushed its WAL a second (pg_stat_wal).  `--split` breaks both servers' CPU down by kind
+of process (backend_type and application_name, sampled as the writers are); `--statements`
+loads pg_stat_statements (track = all) on both and prints the statements that took most of
+their time, nested ones included.  `londiste` is Londiste 3 as replication_bench.py runs it
+(pgqd counted as its ticker), `capture` pgcascade's capture triggers alone (no worker, no
+ticker).
 
     .venv/bin/python bench/path_cpu.py [--system pgcascade|pgcascade-logical|native|londiste|capture|none]
                                        [--rate 500] [--seconds 20] [--tpcb] [--rounds 1]
@@ -224,12 +225,14 @@ def main() -> int:
                 meter = Meter(pids)
                 writers = Writers(prov, pair.name, [prov, sub] if args.split else [])
                 wal_before = wal_lsn(prov)
+                syncs_before = [wal_syncs(c) for c in (prov, sub)]
                 meter.start()
                 started = time.monotonic()
                 with writers:
                     r = lag_or_tps(s, pair, args)
                 secs = time.monotonic() - started
                 wal = wal_lsn(prov) - wal_before
+                syncs = [wal_syncs(c) - before for c, before in zip((prov, sub), syncs_before, strict=True)]
                 writers.wait_gone()
                 cpu = meter.stop()
                 cpu["provider"] -= writers.cpu()
@@ -245,7 +248,8 @@ def main() -> int:
                 print(
                     f"{args.system} round {rnd + 1}: {r['tps']:.0f} tps; {lag}CPU per transaction, µs:"
                     f" {parts}; all {1e6 * total / txns:.0f} ({total / secs:.2f} cores);"
-                    f" provider WAL {wal / txns:.0f} bytes a transaction",
+                    f" provider WAL {wal / txns:.0f} bytes a transaction; WAL flushes a second:"
+                    f" provider {syncs[0] / secs:.0f}, subscriber {syncs[1] / secs:.0f}",
                     flush=True,
                 )
                 if args.statements:
@@ -270,6 +274,12 @@ def wal_lsn(c: rb.LocalCluster) -> int:
     """The provider's WAL insert position, in bytes."""
     with psycopg.connect(c.connstr("postgres"), autocommit=True) as conn:
         return int(conn.execute("select pg_current_wal_insert_lsn() - '0/0'").fetchone()[0])
+
+
+def wal_syncs(c: rb.LocalCluster) -> int:
+    """How many times the cluster flushed its WAL to disk so far (pg_stat_wal)."""
+    with psycopg.connect(c.connstr("postgres"), autocommit=True) as conn:
+        return int(conn.execute("select wal_sync from pg_stat_wal").fetchone()[0])
 
 
 def print_statements(c: rb.LocalCluster, dbname: str, txns: float, top: int = 40) -> None:
