@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -143,3 +144,43 @@ def test_a_paused_worker_sleeps_through_writes_and_a_resume_wakes_it(replica):
     wait_until(
         lambda: table_checksum(replica.root, "public.t") == table_checksum(replica.leaf, "public.t"), 15
     )
+
+
+def test_a_pause_stops_a_leaf_that_applies_batch_after_batch(replica):
+    """A worker applying batch after batch sees its node paused within moments: a batch reads
+    the node again only once what its round started from is FRESH_SECONDS / 2 old (and the
+    rounds start from that for at most FRESH_SECONDS), so nothing is applied a fraction of a
+    second after `pause` returned while the root's row goes on changing; a resume brings the
+    rest.  (The node's watermark report, an event of its own, would make a batch go the general
+    way, which reads the node again: reported once a minute here.)"""
+    replica.ini("leaf", replica.leaf, watermark_period=60)
+    with replica.root.connect() as conn:
+        conn.execute("create table public.t (id int primary key, v int)")
+        conn.execute("insert into public.t values (1, 0)")
+    replica.setup(["public.t"])
+    replica.start_ticker()
+    replica.start_worker()
+    replica.wait_sync(60)
+    value = "select v from public.t where id = 1"
+    stop = threading.Event()
+
+    def bump() -> None:  # one commit after another: a batch after another on the leaf
+        with replica.root.connect(autocommit=True) as conn:
+            while not stop.is_set():
+                conn.execute("update public.t set v = v + 1 where id = 1")
+
+    writer = threading.Thread(target=bump)
+    writer.start()
+    try:
+        wait_until(lambda: replica.leaf.scalar(value) > 300, 30, what="batches applied on the leaf")
+        replica.cli("leaf", "pause")
+        time.sleep(0.5)  # the batch in flight, and the node read at most FRESH_SECONDS before
+        seen, root_then = replica.leaf.scalar(value), replica.root.scalar(value)
+        time.sleep(1)
+        assert replica.root.scalar(value) > root_then, "the root's row stopped changing"
+        assert replica.leaf.scalar(value) == seen, "the leaf applied batches after its pause"
+    finally:
+        stop.set()
+        writer.join()
+    replica.cli("leaf", "resume")
+    wait_until(lambda: replica.leaf.scalar(value) == replica.root.scalar(value), 15, what="the resume")

@@ -13,6 +13,7 @@ what each node type does); callers ask it instead of testing types.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -79,6 +80,10 @@ class Node:
     conflict_policy: str | None = None  # a peer subscription's default conflict policy
     apply_delay: timedelta | None = None  # a delayed leaf: the apply_delay its worker runs with
     all_tables: bool = False  # a subscriber that took the set's tables with add-table --all (and new ones)
+
+    def applied(self, tick: int) -> Node:
+        """This node as a batch up to `tick` leaves its row (apply_begin, peer_batch_end)."""
+        return dataclasses.replace(self, last_tick=tick, last_error=None)
 
     def last_tick_past(self, tick: float) -> bool:
         """Whether this node applied the tick (or one after it)."""

@@ -48,6 +48,11 @@ log = logging.getLogger("pgcascade.replay")
 # each round after an empty fetch read them again (two round trips to the subscriber, ~0.6 ms
 # of a loaded worker's 1 ms poll), and a change committed meanwhile waited for them
 FRESH_SECONDS = 0.05
+# ...and a batch's one message reads them again only once those its round started from are
+# this old: read after every batch, they were two statements and the parsing of their rows at
+# each of the hundreds of batches a second a busy leaf applies, where the one change a batch
+# makes to them is the node's record (its tick; apply_begin still checks provider and record)
+REREAD_SECONDS = FRESH_SECONDS / 2
 # a leaf's: the commit need not wait for the WAL flush (docs/replication.md, "Exactly once")
 APPLY_SETTINGS_ASYNC = "set local session_replication_role = replica; set local synchronous_commit = off"
 
@@ -108,6 +113,12 @@ class Batches:
         started = time.monotonic()
         assert info.batch_id is not None and info.cur_tick_id is not None
         self.flush_stats()
+        # the round's node and tables, read a moment ago, serve the next round too
+        known = (
+            (node, tables)
+            if self.fresh is not None and time.monotonic() < self.fresh_until - REREAD_SECONDS
+            else None
+        )
         self.fresh = None  # read again after this batch
         done = left_out(tables, info.cur_tick_id)  # by a parallel apply cut short
         appliers = {t: a for t, a in self.appliers_for(sub, prov, tables).items() if t not in done}
@@ -118,10 +129,10 @@ class Batches:
             roundtrip.settle(prov)
             self.use_peer_origin(sub, node)
             now, stats, fresh, lsn = peer_worker.apply_batch(
-                sub, prov, node, info, appliers, self.prov_logical, self.peer_state
+                sub, prov, node, info, appliers, self.prov_logical, self.peer_state, known
             )
             if fresh is not None:
-                self.keep_fresh(*fresh)
+                self.keep_fresh(fresh, read=known is None)
             if stats is None:
                 if now.provider_node == node.provider_node and now.node_type == node.node_type:
                     assert now.last_tick is not None
@@ -133,9 +144,11 @@ class Batches:
                 # the fetch's commit (its tick's WAL flush) may still be under way on the
                 # provider: the batch is applied meanwhile and committed here after it
                 settle = None if roundtrip.committed(prov) else functools.partial(roundtrip.settle, prov)
-                one = inline.apply_batch(sub, self.queue, node, info, appliers, self.seqs, durable, settle)
+                one = inline.apply_batch(
+                    sub, self.queue, node, info, appliers, self.seqs, durable, settle, known
+                )
                 stats, lsn = one.stats, one.lsn
-                self.keep_fresh(one.node, one.tables)
+                self.keep_fresh(one.fresh, read=known is None)
                 self.phases.mark("inline")
             except inline.NotAtRecord as e:
                 self.resume(prov, node, info, e.last_tick)
@@ -192,11 +205,13 @@ class Batches:
             line, self.stats_line = self.stats_line, None
             log.info(*line)
 
-    def keep_fresh(self, node: nodes.Node, tables: list[subscriber.SubscriberTable]) -> None:
-        """The node and its tables as read right after a batch's commit: the rounds of the next
-        FRESH_SECONDS start from them instead of reading them again."""
-        self.fresh = (node, tables)
-        self.fresh_until = time.monotonic() + FRESH_SECONDS
+    def keep_fresh(self, fresh: inline.Fresh, read: bool = True) -> None:
+        """The node and its tables after a batch's commit: the rounds of the next FRESH_SECONDS
+        (from when they were `read`, else from the read before) start from them instead of
+        reading them again."""
+        self.fresh = fresh
+        if read:
+            self.fresh_until = time.monotonic() + FRESH_SECONDS
 
     @staticmethod
     def commits_async(node: nodes.Node) -> bool:

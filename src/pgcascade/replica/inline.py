@@ -6,7 +6,7 @@ transaction's settings (the events' JSON among them), `apply_begin` (locks the n
 checks that the batch starts where this node's record is, records the batch's tick), one
 set-based statement per table that has events, reading them from that JSON, the followed
 sequences, the commit, and the WAL position after it, and the node and its tables for the
-next round - one message of the simple query protocol, values as literals, the statements
+next round (unless those the round started from were read a moment ago) - one message of the simple query protocol, values as literals, the statements
 prepared (prepared.py).  In a batch of at most ONE_KIND_MAX row events, a table whose events
 are all inserts (all updates, all deletes) is applied by a statement of that kind alone over
 its rows, sent as one argument (applysql.one_kind_sql); if its precondition fails (a row to
@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import psycopg
+from psycopg.pq.abc import PGresult
 
 from pgcascade.capture.pgoutput import lsn_int
 from pgcascade.core import roundtrip
@@ -78,6 +79,8 @@ ONE_KIND_PAUSE = 60.0
 _SET_STATEMENTS: dict[tuple[bytes, str], bytes] = {}
 # the node's and its tables' reads after the commit, by queue
 _READS: dict[str, list[bytes]] = {}
+# the node and its tables, as read after a batch's commit (the next round starts from them)
+Fresh = tuple[nodes.Node, list[subscriber.SubscriberTable]]
 
 
 class NotAtRecord(Exception):
@@ -116,12 +119,26 @@ def set_statement(sub: psycopg.Connection, a: TableApplier) -> bytes:
     return _SET_STATEMENTS[key]
 
 
-def read_statements(sub: psycopg.Connection, queue: str) -> list[bytes]:
-    """The node's and its tables' reads after the commit, for the next round."""
+def read_statements(sub: psycopg.Connection, queue: str, known: Fresh | None) -> list[bytes]:
+    """The node's and its tables' reads after the commit, for the next round - none when
+    `known` (those the round started from, read a moment ago) serve."""
+    if known is not None:
+        return []
     if queue not in _READS:
         bind = roundtrip.binder(sub).mogrify
         _READS[queue] = [bind(q, (queue,)).encode() for q in (nodes.NODE_QUERY, subscriber.TABLES_QUERY)]
     return _READS[queue]
+
+
+def fresh_after(sub: psycopg.Connection, results: list[PGresult], known: Fresh | None, tick: int) -> Fresh:
+    """The node and its tables for the next round: read after the commit (the message's last
+    two `results`), or `known` with the node's record at the batch's `tick`."""
+    if known is not None:
+        return known[0].applied(tick), known[1]
+    node, tables = results[-2:]
+    return roundtrip.load_rows(sub, node, nodes.node_from)[0], roundtrip.load_rows(
+        sub, tables, subscriber.table_from
+    )
 
 
 def one_kind_statements(
@@ -155,8 +172,7 @@ class Applied:
 
     stats: BatchStats
     lsn: str  # the subscriber's WAL position after the commit
-    node: nodes.Node
-    tables: list[subscriber.SubscriberTable]
+    fresh: Fresh
 
 
 def apply_batch(
@@ -168,14 +184,15 @@ def apply_batch(
     seqs: list[tuple[str, str]],
     durable: bool,
     before_commit: Callable[[], object] | None = None,
+    known: Fresh | None = None,
 ) -> Applied:
     """Apply and commit the batch in one round trip, and read the node and its tables again
-    after the commit (the next round starts from them).  `durable`: commit with
-    synchronous_commit on.  `before_commit`: called between the apply and the commit, which
-    then go in two round trips.  Raises NotAtRecord or Moved when apply_begin refused the
-    batch, or the statement's error."""
+    after the commit (the next round starts from them), unless `known` serve.  `durable`:
+    commit with synchronous_commit on.  `before_commit`: called between the apply and the
+    commit, which then go in two round trips.  Raises NotAtRecord or Moved when apply_begin
+    refused the batch, or the statement's error."""
     assert info.events is not None and info.row_counts is not None
-    message = functools.partial(apply_message, before_commit=before_commit)
+    message = functools.partial(apply_message, before_commit=before_commit, known=known)
     if sum(info.row_counts.values()) <= ONE_KIND_MAX:
         try:
             return message(sub, queue, node, info, appliers, seqs, durable, one_kind=True)
@@ -202,6 +219,7 @@ def apply_message(
     durable: bool,
     one_kind: bool,
     before_commit: Callable[[], object] | None,
+    known: Fresh | None,
 ) -> Applied:
     """apply_batch's one round trip (two with `before_commit`); with `one_kind`, tables whose
     events are all of one kind are applied by their one-kind statements."""
@@ -218,7 +236,7 @@ def apply_message(
     bind = functools.partial(roundtrip.compose, sub)
     ones = one_kind_statements(sub, info.events, todo) if one_kind else {}
     sets = {a.table: set_statement(sub, a) for a in todo if a.table not in ones}
-    reads = read_statements(sub, queue)
+    reads = read_statements(sub, queue, known)
     prepared.ensure(sub, [*sets.values(), *(body for body, _ in ones.values()), *reads])
     applies = [ones[a.table][1] if a.table in ones else prepared.execute(sets[a.table]) for a in todo]
     statements = [
@@ -246,19 +264,16 @@ def apply_message(
             prepared.run(sub, statements[:commit])
             call_in_transaction(sub, before_commit)
             statements = statements[commit:]
-        *_, lsn, now, tables = prepared.run(sub, statements)
+        results = prepared.run(sub, statements)
     except psycopg.Error as e:
         if e.sqlstate == "PCRES":
             raise NotAtRecord(int(e.diag.message_detail or 0)) from None
         if e.sqlstate == "PCMOV":
             raise Moved(str(e)) from None
         raise
-    return Applied(
-        stats,
-        lsn.get_value(0, 0).decode(),  # type: ignore[union-attr]
-        roundtrip.load_rows(sub, now, nodes.node_from)[0],
-        roundtrip.load_rows(sub, tables, subscriber.table_from),
-    )
+    lsn = results[-1 - len(reads)].get_value(0, 0).decode()  # type: ignore[union-attr]
+    assert info.cur_tick_id is not None
+    return Applied(stats, lsn, fresh_after(sub, results, known, info.cur_tick_id))
 
 
 def call_in_transaction(sub: psycopg.Connection, call: Callable[[], object]) -> None:

@@ -34,12 +34,13 @@ PEER_IDLE_POLL = 1.0  # a caught-up peer's queue is asked at least this often wi
 # 200 tps the same (14.5 / 15.1 ms), its p95 24 -> 25-39 ms, flat out 50-60 -> 70-75
 PEER_TICK_SPACING = 4.0
 PEER_SPACED_EVENTS = 16
-# a peer worker rings its peer's doorbell once its poll delay reaches this (about 3 ms without
-# changes, three empty answers), not LISTEN_AFTER's 16 ms (about 15) as a one-way worker does
-# (session 26, three runs each, alternating): two masters at 200 tps 17.0 -> 15.2 ms of lag
-# (median of both directions, mean of the runs), flat out 1,834 -> 1,905 tps (within the
-# noise); a one-way worker so made W1 0.79 -> 0.76 of no replication (one run each)
-PEER_LISTEN_AFTER = 0.004
+# a peer worker rings its peer's doorbell once its poll delay reaches this (after its first
+# empty answer), not LISTEN_AFTER's 16 ms (about 15) as a one-way worker does: two masters at
+# 200 tps a master (session 26, three runs each, alternating) 17.0 -> 15.2 ms of lag at 4 ms
+# (median of both directions, mean of the runs); 1 ms against 4 (session 38, six 20-s runs
+# each, alternating) 12.7 -> 11.9 ms, flat out 2,105 -> 2,253 tps (within the noise); a
+# one-way worker so made W1 0.79 -> 0.76 of no replication (one run each, at 4 ms)
+PEER_LISTEN_AFTER = 0.001
 
 
 class PeerLoop:

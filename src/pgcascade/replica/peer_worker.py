@@ -49,6 +49,7 @@ from pgcascade.replica import tables as subscriber
 from pgcascade.replica.apply import BatchStats, TableApplier, apply_staged
 from pgcascade.replica.conflicts import DEFAULT_POLICY
 from pgcascade.replica.ddl import DdlReplay, await_origins
+from pgcascade.replica.inline import Fresh
 from pgcascade.replica.peer_apply import PEER_SEEN, PEER_SELECT, PEER_TIME, PeerBatch
 from pgcascade.replica.stage import stage_batch
 
@@ -73,8 +74,6 @@ SMALL_SELECT = (
     " from (select {peer} from ({batch}) b where ev_extra4 is null or ev_type = 'EXECUTE')"
     " e (ev_id, ev_txid, ev_type, ev_data, ev_extra1, ev_time, ev_extra2, ev_extra3, ev_extra4) limit {limit}"
 )
-# the node and its tables, as read after a batch's commit (the next round starts from them)
-Fresh = tuple[nodes.Node, list[subscriber.SubscriberTable]]
 REFUSED = ("PCB01", "PCB02")  # pgcascade.peer_batch_begin: go step by step
 FAST_TYPES = frozenset({"I", "U", "D", PEER_SEEN})
 # a table whose statement without judging found a reason to judge is tried so again at its next
@@ -125,12 +124,13 @@ def apply_batch(
     appliers: dict[str, TableApplier],
     prov_logical: bool,
     state: PeerState,
+    known: Fresh | None = None,
 ) -> tuple[nodes.Node, BatchStats | None, Fresh | None, str | None]:
     """Apply the peer's batch `info` in one transaction; returns the node row as locked, and the
     stats, or None when the batch does not start where this node's record says it is, or the
     node changed since the round began (nothing applied then); after a batch applied in one
-    round trip, the node and its tables as read after its commit; and the WAL position after
-    the commit (None if nothing was applied)."""
+    round trip, the node and its tables for the next round (read after its commit, or `known`:
+    inline.fresh_after); and the WAL position after the commit (None if nothing was applied)."""
     assert info.cur_tick_id is not None and node.peer_of is not None and node.provider_node is not None
     # what this master's marker tells its peers: the tick's snapshot (next_batch reads it
     # with its statement's snapshot, which a tick committed in the meantime is not in)
@@ -141,7 +141,7 @@ def apply_batch(
         events = small_batch(prov, info, prov_logical)
         if events is not None:
             try:
-                return node, *apply_in_one(sub, prov, node, info, appliers, state, events, snapshot)
+                return node, *apply_in_one(sub, prov, node, info, appliers, state, events, snapshot, known)
             except psycopg.Error as e:
                 if e.sqlstate not in REFUSED:
                     for a in appliers.values():  # composed again: a table's columns may have changed
@@ -208,10 +208,11 @@ def apply_in_one(
     state: PeerState,
     events: list[tuple],
     snapshot: str,
+    known: Fresh | None,
     unjudged: bool = True,
 ) -> tuple[BatchStats, Fresh, str]:
     """The small batch `events` in one round trip (the module's docstring), the node and its
-    tables as read after the commit, for the next round, and the WAL position after it.  With
+    tables for the next round (inline.fresh_after), and the WAL position after it.  With
     `unjudged`, a table whose events are all inserts or all updates is applied by a statement
     that needs no judging (peer_fast.py) unless paused; if one finds a reason to judge, the
     message is sent again with every table's judging statements (PeerState.judging_found says
@@ -237,7 +238,7 @@ def apply_in_one(
             without_judging.append(table)
         else:
             todo.append((table, peer_apply.inline_statement(sub, a, peer)))
-    reads = inline.read_statements(sub, node.queue_name)
+    reads = inline.read_statements(sub, node.queue_name, known)
     prepared.ensure(sub, [*(body for _t, bodies in todo for body in bodies), *reads])
     bind = functools.partial(roundtrip.compose, sub)
     settings = [
@@ -284,18 +285,15 @@ def apply_in_one(
         failed = e.diag.message_detail
         for table in [failed] if failed in without_judging else without_judging:
             state.judging_found(table)
-        return apply_in_one(sub, prov, node, info, appliers, state, events, snapshot, unjudged=False)
+        return apply_in_one(sub, prov, node, info, appliers, state, events, snapshot, known, unjudged=False)
     state.unjudged_applied(without_judging)
     ends = itertools.accumulate(len(bodies) for _t, bodies in todo)
     stats.conflicts = sum(int(roundtrip.load_rows(sub, results[2 + end])[0][0]) for end in ends)
-    seqs, _commit, lsn, now_row, tables = results[-5:]
+    seqs, _commit, lsn = results[len(results) - len(reads) - 3 : len(results) - len(reads)]
     if roundtrip.load_rows(sub, seqs)[0][0]:
         # as a rule none: they only ever move up, so after the commit is as good
         subscriber_seqs.sync_sequences(prov, sub, node.queue_name)
-    fresh = (
-        roundtrip.load_rows(sub, now_row, nodes.node_from)[0],
-        roundtrip.load_rows(sub, tables, subscriber.table_from),
-    )
+    fresh = inline.fresh_after(sub, results, known, info.cur_tick_id)
     return stats, fresh, lsn.get_value(0, 0).decode()  # type: ignore[union-attr]
 
 
