@@ -34,13 +34,6 @@ PEER_IDLE_POLL = 1.0  # a caught-up peer's queue is asked at least this often wi
 # 200 tps the same (14.5 / 15.1 ms), its p95 24 -> 25-39 ms, flat out 50-60 -> 70-75
 PEER_TICK_SPACING = 4.0
 PEER_SPACED_EVENTS = 16
-# a peer worker rings its peer's doorbell once its poll delay reaches this (after its first
-# empty answer), not LISTEN_AFTER's 16 ms (about 15) as a one-way worker does: two masters at
-# 200 tps a master (session 26, three runs each, alternating) 17.0 -> 15.2 ms of lag at 4 ms
-# (median of both directions, mean of the runs); 1 ms against 4 (session 38, six 20-s runs
-# each, alternating) 12.7 -> 11.9 ms, flat out 2,105 -> 2,253 tps (within the noise); a
-# one-way worker so made W1 0.79 -> 0.76 of no replication (one run each, at 4 ms)
-PEER_LISTEN_AFTER = 0.001
 
 
 class PeerLoop:
@@ -63,7 +56,7 @@ class PeerLoop:
         def notified(self, timeout: float = 0.0) -> bool: ...
         def report_error(self, e: Exception) -> None: ...
         def peer_worker(self, queue: str) -> PeerLoop: ...
-        def rings(self, after: float = ...) -> bool: ...
+        def rings(self) -> bool: ...
         def listen(self, seconds: float) -> float: ...
         def work(self) -> bool: ...
         def shutdown(self) -> None: ...
@@ -80,7 +73,7 @@ class PeerLoop:
                 return
             now = time.monotonic()
             for w in ws:
-                if w.rings(PEER_LISTEN_AFTER):
+                if w.rings():
                     w.ask_at = now + w.listen(seconds)
             with selectors.DefaultSelector() as sel:
                 for w in ws:

@@ -6,8 +6,8 @@ applied last, and ticks the provider's queue when this consumer is caught up and
 changes wait there, so a change waits for no ticker).  The batch's transaction is batch.py's;
 a small one is applied in one round trip (inline.py).  A caught-up worker sleeps on LISTEN: a
 provider that makes its own ticks (a branch, a root with logical capture) notifies them; on a
-root whose consumers make the ticks, the worker polls while changes keep coming (every 1-16 ms)
-and, idle, rings the queue's doorbell before it sleeps, so the capture triggers notify the
+root whose consumers make the ticks, the worker asks again at once after a batch and, after an
+empty answer, rings the queue's doorbell before it sleeps, so the capture triggers notify the
 commits that follow (05_doorbell.sql).
 
 A branch carries every batch into its own queue (same ids, same tick ids), so every node with a
@@ -73,10 +73,15 @@ POLL_MIN, POLL_MAX = 0.0005, 0.05
 # within LISTEN_MIN (each notifying commit holds a cluster-wide lock through its WAL flush).  A
 # commit after the doorbell ran out and before the next ring is seen by that ring (pending).
 LISTEN_MIN, LISTEN_MAX = 0.002, 1.0
-# ...once its poll delay reached this (about 15 ms without changes): a worker that keeps finding
-# changes polls instead, for a doorbell ringing then made every commit notify, and the notifying
-# commits queue behind each other's WAL flushes (W1: 0.45 of no replication against 0.53)
-LISTEN_AFTER = 0.016
+# ...once its poll delay reached this: after its first empty answer.  A worker that keeps
+# finding changes asks again at once and rings nobody (a doorbell rung after every batch made
+# every commit notify, and the notifying commits queued behind each other's WAL flushes: W1
+# 0.45 of no replication against 0.53).  A one-way worker waited ~15 ms without changes until
+# session 38; at 1 ms (path_cpu.py, alternated pairs) the lag at 500 tps 8.3 -> 8.0 ms (mean of
+# six medians), p95 13.6 -> 13.2, at 2,000 tps and under W1's load the same (three pairs
+# each).  A peer worker waited ~3 ms: at 1 ms two masters at 200 tps a master 12.7 -> 11.9 ms
+# (six alternated runs of two_way_bench.py, flat out within the noise)
+LISTEN_AFTER = 0.001
 
 
 def batch_cap(tables: list[subscriber.SubscriberTable], applied: int | None) -> int | None:
@@ -267,10 +272,10 @@ class Worker(PeerLoop, Batches, Daemon):
         w.metrics = self.metrics
         return w
 
-    def rings(self, after: float = LISTEN_AFTER) -> bool:
+    def rings(self) -> bool:
         """Whether this worker's provider ticks on demand and no change came for a while (its
-        poll delay reached `after`): it rings the queue's doorbell before it sleeps."""
-        return self.polls and self.poll_delay >= after
+        poll delay reached LISTEN_AFTER): it rings the queue's doorbell before it sleeps."""
+        return self.polls and self.poll_delay >= LISTEN_AFTER
 
     def listen(self, seconds: float) -> float:
         """A consumer that makes its provider's ticks: ring the queue's doorbell and say how long
