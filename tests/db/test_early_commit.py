@@ -3,6 +3,9 @@ worker's fetch): the commit's outcome is read by settle, and the connection is a
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import threading
 import time
 
@@ -59,16 +62,31 @@ def test_an_early_fetch_opens_the_batch_its_commit_makes_durable(db):
         assert conn.execute("select 1").fetchone() == (1,)
 
 
+class Beats:
+    """A thread that notes the time every 10 ms: whether it ran while the test's thread waited."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.beat, daemon=True)
+        self.thread.start()
+
+    def beat(self) -> None:
+        while not self.stop.wait(0.01):
+            self.times.append(time.monotonic())
+
+    def since(self, start: float) -> int:
+        return len([b for b in self.times if start < b < time.monotonic()])
+
+    def end(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
 def test_other_threads_run_while_a_round_trip_waits_for_the_server(db):
     """A worker's round trips wait for their server without holding Python's lock: a fetch
     ahead in a thread (replica/ahead.py) and the apply beside it each go on while the other
     waits.  Each call here keeps the server busy half a second; a thread beside it must run."""
-    beats: list[float] = []
-    stop = threading.Event()
-
-    def beat() -> None:
-        while not stop.wait(0.01):
-            beats.append(time.monotonic())
 
     calls = {
         "send": lambda conn, _: roundtrip.send(conn, b"select pg_sleep(0.5)"),
@@ -77,8 +95,7 @@ def test_other_threads_run_while_a_round_trip_waits_for_the_server(db):
             conn, b"copy (select pg_sleep(0.5)) to stdout", dst, b"copy t from stdin"
         ),
     }
-    thread = threading.Thread(target=beat, daemon=True)
-    thread.start()
+    beats = Beats()
     try:
         with db.connect() as conn, db.connect() as dst:
             dst.execute("create table t (v text)")
@@ -86,8 +103,37 @@ def test_other_threads_run_while_a_round_trip_waits_for_the_server(db):
                 start = time.monotonic()
                 call(conn, dst)
                 roundtrip.settle(conn)
-                during = [b for b in beats if start < b < time.monotonic()]
-                assert len(during) >= 20, f"{name}: the other thread ran {len(during)} times in 0.5 s"
+                during = beats.since(start)
+                assert during >= 20, f"{name}: the other thread ran {during} times in 0.5 s"
     finally:
-        stop.set()
-        thread.join()
+        beats.end()
+
+
+def test_other_threads_run_while_a_large_message_waits_to_be_sent(db):
+    """Sending waits without Python's lock too: a message larger than the socket's buffers, to a
+    server that does not read it for half a second (its backend stopped, then continued by a
+    shell: a thread of this process could not run), lets a thread beside it run meanwhile."""
+    literal = b"x" * (48 << 20)
+    beats = Beats()
+    try:
+        with db.connect() as conn:
+            for name, call in {
+                "send": lambda: roundtrip.send(conn, b"select length('" + literal + b"')"),
+                "send_early": lambda: roundtrip.send_early(conn, b"select length('" + literal + b"')"),
+            }.items():
+                pid = conn.info.backend_pid
+                os.kill(pid, signal.SIGSTOP)
+                cont = subprocess.Popen(["sh", "-c", f"sleep 0.5; kill -CONT {pid}"])
+                start = time.monotonic()
+                result = call()
+                roundtrip.settle(conn)
+                cont.wait()
+                assert roundtrip.load_rows(conn, result[0] if isinstance(result, list) else result) == [
+                    (len(literal),)
+                ]
+                during = beats.since(start)
+                assert during >= 20, (
+                    f"{name}: the other thread ran {during} times while the server did not read"
+                )
+    finally:
+        beats.end()
