@@ -6,8 +6,8 @@ transaction's settings (the events' JSON among them), `apply_begin` (locks the n
 checks that the batch starts where this node's record is, records the batch's tick), one
 set-based statement per table that has events, reading them from that JSON, the followed
 sequences, the commit, and the WAL position after it, and the node and its tables for the
-next round (unless those the round started from were read a moment ago) - one message of the simple query protocol, values as literals, the statements
-prepared (prepared.py).  In a batch of at most ONE_KIND_MAX row events, a table whose events
+next round (unless those the round started from were read a moment ago) - one message of the
+simple query protocol, values as literals, the statements prepared (prepared.py).  In a batch of at most ONE_KIND_MAX row events, a table whose events
 are all inserts (all updates, all deletes) is applied by a statement of that kind alone over
 its rows, sent as one argument (applysql.one_kind_sql); if its precondition fails (a row to
 update missing here), the message is sent again with the set-based statements.  The server
