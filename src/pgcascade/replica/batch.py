@@ -205,7 +205,7 @@ class Batches:
             line, self.stats_line = self.stats_line, None
             log.info(*line)
 
-    def keep_fresh(self, fresh: inline.Fresh, read: bool = True) -> None:
+    def keep_fresh(self, fresh: inline.Fresh, read: bool) -> None:
         """The node and its tables after a batch's commit: the rounds of the next FRESH_SECONDS
         (from when they were `read`, else from the read before) start from them instead of
         reading them again."""
