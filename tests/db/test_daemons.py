@@ -184,3 +184,48 @@ def test_a_pause_stops_a_leaf_that_applies_batch_after_batch(replica):
         writer.join()
     replica.cli("leaf", "resume")
     wait_until(lambda: replica.leaf.scalar(value) == replica.root.scalar(value), 15, what="the resume")
+
+
+def test_the_ticker_sleeps_while_a_consumer_keeps_the_queue_ticked_and_ticks_once_it_stops(replica):
+    """While something else ticks a queue on demand (a worker, here the test), the ticker asks
+    only when a tick could be due - once the last is ticker_max_lag old - not every
+    ticker_period; once nothing else ticks, it ticks the events that wait within that lag."""
+    replica.setup()
+    with replica.root.connect() as conn:
+        queue = conn.execute("select queue_name from pgcascade.queue").fetchone()[0]
+        conn.execute("select pgcascade.set_queue_config(%s, 'ticker_max_lag', '400 ms')", (queue,))
+        conn.execute(f'alter database "{replica.root.name}" set track_functions = pl')
+    ticker = replica.start_ticker()
+    started = time.monotonic()
+    stop = threading.Event()
+
+    def tick_on_demand() -> None:  # an event and a tick every 10 ms, as a busy worker asks
+        with replica.root.connect() as conn:
+            while not stop.wait(0.01):
+                conn.execute("select pgcascade.insert_event(%s, 'x', 'y')", (queue,))
+                conn.execute("select pgcascade.ticker(%s)", (queue,))
+
+    thread = threading.Thread(target=tick_on_demand)
+    thread.start()
+    try:
+        time.sleep(3)
+    finally:
+        stop.set()
+        thread.join()
+    last_tick = "select max(tick_id) from pgcascade.tick"
+    with replica.root.connect() as conn:
+        ticked = conn.execute(last_tick).fetchone()[0]
+        conn.execute("select pgcascade.insert_event(%s, 'x', 'waits')", (queue,))
+        wait_until(lambda: conn.execute(last_tick).fetchone()[0] > ticked, 5, what="the ticker's tick")
+    replica.daemons.kill(ticker, signal.SIGTERM)  # its session ends: its counts reach the statistics
+    seconds = time.monotonic() - started
+    with replica.root.connect() as conn:
+        rounds = wait_until(
+            lambda: conn.execute(
+                "select calls from pg_stat_user_functions where funcname = 'ticker_round'"
+            ).fetchone(),
+            10,
+            what="the ticker's rounds in the statistics",
+        )[0]
+    # every ticker_period (20 ms) would be ~50 a second; every 400 ms, or 250 ms at the most, ~3
+    assert rounds < 8 * seconds, f"{rounds} rounds in {seconds:.1f} s"

@@ -682,6 +682,39 @@ def test_the_ticker_ticks_for_a_transaction_open_at_its_last_tick_once_it_commit
         assert q.ticker(conn) == 0  # and once only
 
 
+def test_the_ticker_round_says_when_a_tick_can_next_be_due(qdb):
+    """ticker_round's second answer, the daemon's sleep: none before the last tick is
+    ticker_max_lag old, sooner while events come fast enough to reach ticker_max_count, none at
+    all once the last tick is older than that (an event may come at any moment)."""
+
+    def round_() -> tuple[int, float]:
+        return conn.execute("select ticks, due_in from pgcascade.ticker_round()").fetchone()
+
+    with qdb.connect() as conn:
+        conn.execute(
+            "update pgcascade.queue set queue_ticker_max_lag = '2 s', queue_ticker_idle_period = '1 hour',"
+            " queue_ticker_max_count = 1000 where queue_name = %s",
+            (Q,),
+        )
+        q.ticker(conn, Q)
+        ticks, due = round_()
+        assert ticks == 0 and 1.5 < due <= 2.0, due  # just ticked: the lag's whole length
+        time.sleep(0.3)
+        for i in range(10):
+            q.insert_event(conn, Q, "t", str(i))
+        ticks, due = round_()
+        # ten events in ~0.3 s: a thousand in ~30 s, after the lag's end
+        assert ticks == 0 and 1.0 < due < 1.75, due
+        conn.execute("update pgcascade.queue set queue_ticker_max_count = 12 where queue_name = %s", (Q,))
+        ticks, due = round_()
+        assert ticks == 0 and 0 < due < 0.2, due  # two more at that pace: ~0.06 s
+        conn.execute("update pgcascade.queue set queue_ticker_max_lag = '50 ms' where queue_name = %s", (Q,))
+        ticks, due = round_()
+        assert ticks == 1 and 0.04 < due <= 0.05, due  # waited past the lag: ticked, the lag again
+        time.sleep(0.1)
+        assert round_() == (0, 0.0)  # nothing since, but the lag is over: ask again at once
+
+
 def test_a_caught_up_fetch_reads_no_tick_table_scan_however_many_ticks_there_are(qdb):
     """A caught-up consumer's fetch finds the newest tick by the primary key: with thousands of
     ticks and their statistics, a generic plan once read every tick at every call."""

@@ -80,7 +80,7 @@ class TickerSettings:
     """The ticker daemon (pgqd's job): which databases, and how often (seconds)."""
 
     ticker_period: float = setting(
-        0.02, "how often each database is asked whether a queue needs a tick", minimum=0.001
+        0.02, "how often at the most each database is asked whether a queue needs a tick", minimum=0.001
     )
     retry_period: float = setting(1.0, "moving due retry events back into their queues", minimum=0.01)
     maint_period: float = setting(

@@ -1,7 +1,8 @@
 """The ticker daemon (pgqd's job): ticks and queue maintenance for many databases.
 
-For every database it serves it asks `pgcascade.ticker()` every `ticker_period` to tick the
-queues that need it (the thresholds live in each queue's row), moves due retry events back
+For every database it serves it asks `pgcascade.ticker_round()` to tick the queues that need it
+(the thresholds live in each queue's row), and asks again when that says a tick can next be due:
+after `ticker_period` at the least, `MAX_SLEEP` at the most.  It moves due retry events back
 every `retry_period`, runs what `pgcascade.maint_operations()` lists (rotation, tick cleanup)
 every `maint_period`, and VACUUMs the small queue tables every `vacuum_period`.  Each call
 is a transaction of its own.  A database that goes away is retried with back-off; the others
@@ -27,6 +28,9 @@ from pgcascade.core.pgconn import scalar
 log = logging.getLogger("pgcascade.ticker")
 
 REFUSED_RETRY = 30.0  # seconds before a database another ticker serves is tried again
+# the longest sleep between rounds: a new queue, a burst of events (ticker_max_count) or a stop
+# request waits no longer than this (the defaults ask every ticker_max_lag, 50 ms)
+MAX_SLEEP = 0.25
 
 
 def conninfo_for(base: str, dbname: str) -> str:
@@ -48,6 +52,7 @@ class DatabaseTicker:
     next_maint: float = 0.0
     next_vacuum: float = 0.0
     ticks: int = 0
+    due_at: float = 0.0  # when a tick can next be due here (ticker_round)
     refused: str | None = None  # another ticker serves this database: its description
 
     def connect(self) -> psycopg.Connection:
@@ -174,7 +179,7 @@ class Ticker(Daemon):
         for db in list(self.dbs.values()):
             if self.stop_requested:
                 break
-            if db.reconnect_at > now:
+            if db.reconnect_at > now or db.due_at > now:
                 continue
             try:
                 self.serve(db, now)
@@ -185,11 +190,23 @@ class Ticker(Daemon):
             except psycopg.Error as e:
                 log.error("db %s: %s", db.name, privileges.explain(e, db.lock.dsn))
                 db.lost(e)
+        self.loop_delay = self.next_round(time.monotonic())
         return False
+
+    def next_round(self, now: float) -> float:
+        """Seconds to sleep: until the first database may need a tick or a reconnect, bounded
+        by ticker_period and MAX_SLEEP."""
+        wake = min((max(db.due_at, db.reconnect_at) for db in self.dbs.values()), default=now)
+        period = self.settings.ticker_period
+        return max(period, min(wake - now, MAX_SLEEP))
 
     def serve(self, db: DatabaseTicker, now: float) -> None:
         conn = db.connect()
-        n = scalar(conn, "select pgcascade.ticker()")
+        row = conn.execute("select ticks, due_in from pgcascade.ticker_round()").fetchone()
+        assert row is not None
+        n, due_in = row
+        # a round's maintenance below comes due on its own timers, at most MAX_SLEEP late
+        db.due_at = now + min(due_in if due_in is not None else 0.0, MAX_SLEEP)
         db.ticks += n
         if self.metrics and n:
             metrics.TICKS.labels(db.name).inc(n)

@@ -109,22 +109,32 @@ begin
     return pgcascade.make_tick(q, i_tick_id, i_tick_time, i_event_seq);
 end $$;
 
--- pgcascade.ticker() -> number of ticks made: tick every queue that needs it.
+-- pgcascade.ticker_round() -> (ticks made, seconds until a tick can next be due): the
+-- ticker daemon's round - tick every queue that needs it, and say how long it may sleep.
 -- A queue needs a tick when events wait and (their count >= ticker_max_count or the last
 -- tick is older than ticker_max_lag), or when ticker_idle_period passed without a tick.
 -- Events wait when numbered since the last tick, or committed since it by a transaction in
 -- progress at it: such a transaction numbered its events before the tick (counted by it) and
 -- commits them after; with nothing numbered since, it waited for the idle period (1 s).
-create or replace function pgcascade.ticker() returns int4
+-- No tick can be due before the last one is ticker_max_lag old (or ticker_idle_period, if
+-- shorter), nor, while events wait, before their count reaches ticker_max_count at the pace
+-- they came at: until then the daemon need not ask. A consumer that ticks on demand (a
+-- worker, a logical capture daemon) keeps its queue's last tick recent, so the daemon asks
+-- once per ticker_max_lag instead of every ticker_period; a queue whose last tick is older
+-- than that is asked again at once (0: an event may come at any moment).
+create or replace function pgcascade.ticker_round(out ticks int4, out due_in float8)
 language plpgsql set enable_seqscan = off as $$
 declare
     q pgcascade.queue;
-    n int4 := 0;
     last_time timestamptz;
     last_seq int8;
     last_snap pg_snapshot;
     waiting int8;
+    age float8;
+    lag float8;
+    due float8;
 begin
+    ticks := 0;
     for q in select * from pgcascade.queue
               where not queue_ticker_paused and not queue_external_ticker
               order by queue_id for update skip locked loop
@@ -139,8 +149,20 @@ begin
                and exists (select 1 from pg_snapshot_xip(last_snap))
                and pgcascade.events_committed_since(q.queue_id, last_snap)) then
             perform pgcascade.make_tick(q, null, null, null);
-            n := n + 1;
+            ticks := ticks + 1;
+            last_time := now();
+            waiting := 0;
         end if;
+        age := extract(epoch from now() - last_time);
+        lag := extract(epoch from least(q.queue_ticker_max_lag, q.queue_ticker_idle_period));
+        due := greatest(lag - age, 0);
+        if waiting > 0 and age > 0 then
+            due := least(due, age * (q.queue_ticker_max_count - waiting) / waiting);
+        end if;
+        due_in := least(due_in, due);
     end loop;
-    return n;
 end $$;
+
+-- pgcascade.ticker() -> number of ticks made: tick every queue that needs it (ticker_round).
+create or replace function pgcascade.ticker() returns int4
+language sql as $$ select ticks from pgcascade.ticker_round() $$;
