@@ -255,6 +255,67 @@ def test_events_equal_the_triggers_json_for_every_type(replica, make_db):
     assert sum(1 for e in logical if e[0] == "D") == 2  # the key change and the delete
 
 
+PLAIN_COLUMNS = (  # the types whose JSON the capture daemon writes itself (capture/images.py)
+    ("id", "int"), ("i2", "int2"), ("i8", "int8"), ("o", "oid"), ("f4", "float4"), ("f8", "float8"),
+    ("n", "numeric"), ("b", "bool"), ("t", "text"), ("v", "varchar(20)"), ("c", "char(5)"), ("nm", "name"),
+    ("d", "date"), ("ts", "timestamp"), ("tz", "timestamptz"), ("u", "uuid"),
+)  # fmt: skip
+ODD_TEXT = '"q" \\ \b\f\n\r\t \x01\x1f \x7f \u00e9 \u2028 \U0001f600'
+PLAIN_ROWS = [  # each value as text, cast to its column's type
+    ("1", "-32768", "9223372036854775807", "4294967295", "1.5", "-0.1", "123.4500", "t", "a", "b", "c", "n",
+     "2026-11-29", "2026-11-29 17:45:13.622123", "2026-11-29 17:45:13+05:30", "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11"),
+    ("2", "0", "0", "0", "NaN", "Infinity", "NaN", "f", ODD_TEXT, "", "", "", "infinity", "-infinity", "infinity",
+     None),
+    ("3", None, None, None, "-Infinity", "-0", "Infinity", None, None, None, None, None, "0044-03-15 BC",
+     "0044-03-15 12:00:00.5 BC", "2000-01-01 00:00:00", None),
+    ("4", "1", "1", "1", "1e20", "1e-7", "-Infinity", "t", "x", "y", "z", "w", "10000-01-01", "10000-01-01 00:00:00",
+     "1970-01-01 00:00:00", None),
+    # left to the server: a timestamptz before 1900 (offset with seconds), made BC below
+    ("5", "1", "1", "1", "1", "1", "1", "t", "x", "y", "z", "w", None, None, "1890-01-01 00:00:00", None),
+]  # fmt: skip
+
+
+def test_images_the_daemon_writes_equal_the_triggers(replica, make_db):
+    """A table of the types whose JSON image the capture daemon writes itself: its events are
+    the triggers' to the byte, edge values included (NaN, infinities, -0, BC, control and
+    non-ASCII characters, time zones with minutes).  A statement with a value the daemon leaves
+    to the server (a BC timestamptz, whose offset is an old local mean time's, with seconds)
+    gets the same from the server."""
+    r = replica
+    trig = make_db("a")
+    ddl = ", ".join(f"{c} {t}" for c, t in PLAIN_COLUMNS)
+    for db in (r.root, trig):
+        with db.connect() as conn:
+            conn.execute(f"create table plain ({ddl}, primary key (id))")
+            # every session's: timestamptz values are written in the session's time zone
+            conn.execute(f"alter database {db.name} set timezone = 'Asia/Kolkata'")
+    r.run("root", "create-root", "root", "--capture=logical")
+    r.run("root", "add-table", "plain")
+    trig_ini = r.ini("trig", trig)
+    for args in (("create-root", "troot"), ("add-table", "plain")):
+        assert run_cli(str(trig_ini), *args).returncode == 0
+    start_capture(r)
+    q = "select ev_type, ev_data from pgcascade.event where ev_extra1 = 'public.plain' order by ev_id"
+    values = ", ".join(f"%s::{t}" for _, t in PLAIN_COLUMNS)
+    with r.root.connect() as c1, trig.connect() as c2:
+        for conn in (c1, c2):
+            with conn.transaction():
+                for row in PLAIN_ROWS[:4]:
+                    conn.execute(f"insert into plain values ({values})", row)
+        # captured apart from what follows: the statement that writes them is the daemon's
+        wait_until(lambda: len(c1.execute(q).fetchall()) == 4, 60, what="the capture of 4 events")
+        for conn in (c1, c2):
+            conn.execute("update plain set t = t || 'u', tz = tz + interval '1 second' where id in (1, 2)")
+            conn.execute("delete from plain where id = 4")
+        wait_until(lambda: len(c1.execute(q).fetchall()) == 7, 60, what="the capture of 7 events")
+        for conn in (c1, c2):
+            conn.execute(f"insert into plain values ({values})", PLAIN_ROWS[4])
+            conn.execute("update plain set i2 = 2, tz = tz - interval '1935 years' where id = 5")
+        wait_until(lambda: len(c1.execute(q).fetchall()) == 9, 60, what="the capture of 9 events")
+        logical_events, triggered = c1.execute(q).fetchall(), c2.execute(q).fetchall()
+    assert sorted(logical_events) == sorted(triggered)
+
+
 @pytest.mark.parametrize("point", ["written-not-committed", "committed-not-advanced"])
 def test_capture_killed_between_queue_commit_and_slot_advance(replica, point):
     """SIGKILL at the two points that matter: events written but not committed (they vanish

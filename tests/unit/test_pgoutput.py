@@ -97,3 +97,19 @@ def test_an_unchanged_toasted_value_without_the_old_row_is_an_error():
     d.handle(msg(b"B", struct.pack(">qqI", 1000, 0, 44)))
     with pytest.raises(RuntimeFailure, match="REPLICA IDENTITY FULL"):
         d.handle(msg(b"U", struct.pack(">I", 7) + b"N" + tuple_data("1", UNCHANGED)))
+
+
+def test_the_daemon_writes_images_of_known_types_and_leaves_the_rest_to_the_server():
+    """capture/images.py: a row's JSON as row_to_json writes it (checked against the server in
+    tests/scenario/test_walcapture.py); None where the server must make it."""
+    from pgcascade.capture.images import renderer
+
+    render = renderer(['a"%s', "b", "c", "d"], [23, 25, 1184, 26])
+    assert render is not None
+    assert render(["1", 'x"\n', "2026-11-29 17:45:13+05", "7"]) == (
+        '{"a\\"%s":1,"b":"x\\"\\n","c":"2026-11-29T17:45:13+05:00","d":"7"}'
+    )
+    assert render([None, "", "infinity", None]) == '{"a\\"%s":null,"b":"","c":"infinity","d":null}'
+    assert render(["1", UNCHANGED, None, None]) is None  # an unchanged TOASTed value
+    assert render(["1", "x", "0044-03-15 12:00:00+00:53:28 BC", None]) is None  # BC, offset seconds
+    assert renderer(["a", "j"], [23, 3802]) is None  # jsonb: JSON nulls are marked by the server

@@ -37,7 +37,7 @@ import time
 
 import psycopg
 
-from pgcascade.capture import events, logical
+from pgcascade.capture import events, images, logical
 from pgcascade.capture import tables as set_tables
 from pgcascade.capture.pgoutput import (
     PG_EPOCH,
@@ -372,7 +372,8 @@ class WalCapture(Daemon):
             key_idx = [i for i, c in enumerate(cols) if c[0] & 1]
         if relid in self.rels and self.buf.get(relid):
             self.flush()  # rows buffered under the old definition go out with it
-        self.rels[relid] = Relation(relid, canonical, names, casts, key_idx, image=image)
+        render = images.renderer(names, [c[2] for c in cols])
+        self.rels[relid] = Relation(relid, canonical, names, casts, key_idx, image=image, render=render)
 
     def on_update(self, r: Reader, size: int) -> None:
         (relid,) = r.unpack(">I")
@@ -434,11 +435,9 @@ class WalCapture(Daemon):
         bind = psycopg.ClientCursor(self.writer).mogrify
         statements, counts = [], []
         for relid, rows in self.buf.items():
-            rel = self.rels[relid]
-            if rel.insert_sql is None:
-                rel.insert_sql = events.insert_rows_sql(rel, self.queue).as_bytes(self.writer)
-            params = (self.buf_origin, self.buf_origin, json.dumps(rows, ensure_ascii=False))
-            statements.append(bind(rel.insert_sql, params))
+            statements.append(
+                events.rows_statement(self.writer, self.rels[relid], self.queue, rows, self.buf_origin)
+            )
             counts.append(len(rows))
         statements += [bind(query, params) for query, params in then or []]
         # one message of the simple query protocol: one round trip for the tables' statements

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any, cast
+
+import psycopg
 from psycopg import sql
 
 from pgcascade.capture.pgoutput import Relation
@@ -50,3 +54,39 @@ def insert_rows_sql(rel: Relation, queue: str) -> sql.Composed:
         cols=cols,
         queue=sql.Literal(queue),
     )
+
+
+def insert_images_sql(rel: Relation, queue: str) -> sql.Composed:
+    """The insert of a batch of `rel`'s rows whose images the daemon wrote (capture/images.py);
+    parameters: origin, origin, the images (one a line: JSON has no raw line break), their event
+    types (one letter each), their times (comma-separated)."""
+    return sql.SQL(
+        "insert into pgcascade.event (ev_id, ev_time, ev_part, ev_type, ev_data, ev_extra1, ev_rare)"
+        " select nextval(q.queue_event_seq), x.t, q.queue_id * 16 + q.queue_cur_table, x.op, x.img, {table}, o.rare"
+        " from pgcascade.queue q,"
+        " (select case when %s::text is not null"
+        "         then row(null, null, %s, null, null)::pgcascade.event_rare end as rare) o,"
+        " unnest(string_to_array(%s::text, E'\\n'), string_to_array(%s::text, null),"
+        "        string_to_array(%s::text, ',')::timestamptz[]) with ordinality x(img, op, t, n)"
+        " where q.queue_name = {queue} order by x.n"
+    ).format(table=sql.Literal(rel.canonical), queue=sql.Literal(queue))
+
+
+def rows_statement(
+    conn: psycopg.Connection, rel: Relation, queue: str, rows: list[list[Any]], origin: str | None
+) -> str:
+    """The statement, its values bound, that writes `rows` ([event type, values, time]) of `rel`
+    into `queue`: with the images the daemon wrote when it could write every row's, else with
+    images the server makes (the same text either way)."""
+    bind = psycopg.ClientCursor(conn).mogrify
+    if rel.render is not None:
+        images = [rel.render(vals) for _, vals, _ in rows]
+        if None not in images:
+            if rel.images_sql is None:
+                rel.images_sql = insert_images_sql(rel, queue).as_bytes(conn)
+            text = "\n".join(cast(list[str], images))
+            ops, times = "".join(r[0] for r in rows), ",".join(r[2] for r in rows)
+            return bind(rel.images_sql, (origin, origin, text, ops, times))
+    if rel.insert_sql is None:
+        rel.insert_sql = insert_rows_sql(rel, queue).as_bytes(conn)
+    return bind(rel.insert_sql, (origin, origin, json.dumps(rows, ensure_ascii=False)))

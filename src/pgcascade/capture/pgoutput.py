@@ -13,6 +13,7 @@ import datetime
 import select
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psycopg
@@ -53,6 +54,9 @@ class Relation:
     image: str = field(
         default="row_to_json(r.*)::text", repr=False
     )  # of a row `r` of it, as capture writes it
+    # the image written by the daemon (capture/images.py), where its columns' types allow
+    render: Callable[[list[Value]], str | None] | None = field(default=None, repr=False)
+    images_sql: bytes | None = field(default=None, repr=False)
 
 
 U16 = struct.Struct(">H")
