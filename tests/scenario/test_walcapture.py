@@ -288,7 +288,7 @@ def test_images_the_daemon_writes_equal_the_triggers(replica, make_db):
         with db.connect() as conn:
             conn.execute(f"create table plain ({ddl}, primary key (id))")
             # every session's: timestamptz values are written in the session's time zone
-            conn.execute(f"alter database {db.name} set timezone = 'Asia/Kolkata'")
+            conn.execute(f"""alter database "{db.name}" set timezone = 'Asia/Kolkata'""")
     r.run("root", "create-root", "root", "--capture=logical")
     r.run("root", "add-table", "plain")
     trig_ini = r.ini("trig", trig)
