@@ -7,13 +7,13 @@ checks that the batch starts where this node's record is, records the batch's ti
 set-based statement per table that has events, reading them from that JSON, the followed
 sequences, the commit, and the WAL position after it, and the node and its tables for the
 next round (unless those the round started from were read a moment ago) - one message of the
-simple query protocol, values as literals, the statements prepared (prepared.py).  In a batch of at most ONE_KIND_MAX row events, a table whose events
-are all inserts (all updates, all deletes) is applied by a statement of that kind alone over
-its rows, sent as one argument (applysql.one_kind_sql); if its precondition fails (a row to
-update missing here), the message is sent again with the set-based statements.  The server
-runs them in order and stops at the first failure (the worker then rolls the transaction
-back), so nothing in between waits for a result.  Nothing
-is staged: a row written to a temporary table and the table's truncation at commit cost more
+simple query protocol, values as literals, the statements prepared (prepared.py).  In a batch
+of at most ONE_KIND_MAX row events, a table whose events are all inserts (all updates, all
+deletes) is applied by a statement of that kind alone over its rows, sent as one argument
+(applysql.one_kind_sql); if its precondition fails (a row to update missing here), the message
+is sent again with the set-based statements.  The server runs them in order and stops at the
+first failure (the worker then rolls the transaction back), so nothing in between waits for a
+result.  Nothing is staged: a row written to a temporary table and the table's truncation at commit cost more
 than the rest of a small batch (0.5 ms of the subscriber's 1.9 ms at 300 tps).
 
 Batches this path does not take go the general way (worker.process_batch): barrier events
