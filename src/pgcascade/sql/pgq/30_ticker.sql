@@ -40,7 +40,8 @@ end $$;
 -- Records pg_current_snapshot() as the tick.  The caller holds the queue row lock, so ticks of
 -- one queue are serialized and each snapshot is taken after the previous tick committed.
 -- NOTIFY pgcascade_tick (payload: queue name) wakes consumers at commit instead of polling;
--- `i_notify` false: nobody is to be woken (tick_if_waiting).
+-- `i_notify` false: nobody is to be woken (next_batch_events' tick on demand where the queue
+-- has no other consumer).
 -- The tick counts its own transaction as committed (see tick_snapshot), so events inserted
 -- in the same transaction as the tick - a cascade branch copying a batch - are in it.
 -- (a release before it had no i_notify)

@@ -58,65 +58,11 @@ begin
     return false;
 end $$;
 
--- pgcascade.tick_if_waiting(queue, notify) -> the tick made, or null: ticks the queue now when
--- events committed since its last tick wait (not when only uncommitted ones do: a long
--- transaction writing events would otherwise make an empty tick per call).  Queues that take
--- their ticks from elsewhere (a branch's) or are paused are left alone; so is a queue another
--- session is ticking at this moment.  `i_notify`: the tick is notified (make_tick).
--- (a release before it had no i_notify)
+-- (tick_if_waiting and other_readers, once called by next_batch_events, are inlined there)
 drop function if exists pgcascade.tick_if_waiting(text);
-create or replace function pgcascade.tick_if_waiting(i_queue_name text, i_notify bool default true) returns int8
-language plpgsql as $$
-declare
-    q pgcascade.queue;
-    last pgcascade.tick;
-begin
-    select * into q from pgcascade.queue where queue_name = i_queue_name;
-    if not found or q.queue_external_ticker or q.queue_ticker_paused then
-        return null;
-    end if;
-    select * into last from pgcascade.tick where tick_queue = q.queue_id order by tick_id desc limit 1;
-    -- nothing numbered since the last tick is not enough: a transaction in progress then had
-    -- numbered its events before it, and commits them after (it waited for the ticker)
-    if last.tick_id is not null
-       and ((coalesce(pg_sequence_last_value(q.queue_event_seq), 0) <= last.tick_event_seq
-             and not exists (select 1 from pg_snapshot_xip(last.tick_snapshot)))
-            or not pgcascade.events_committed_since(q.queue_id, last.tick_snapshot)) then
-        return null;
-    end if;
-    perform 1 from pgcascade.queue where queue_id = q.queue_id for update skip locked;
-    if not found then
-        return null;
-    end if;
-    return pgcascade.make_tick(q, null, null, null, i_notify);
-end $$;
-
--- pgcascade.other_readers(subscription) -> (behind, others): whether another consumer of the
--- queue that reads batches (it was active in the last 10 seconds; the global watermark's
--- registration reads none) is more than 2 ticks behind this one, and whether the queue has a
--- consumer other than this one at all (that registration aside).
--- Ticks on demand wait while one is behind: a consumer that takes one tick per batch - a
--- cascade branch, which must repeat every tick, or a PgQ consumer - would get more batches
--- than it can apply while a faster one asks for a tick every few milliseconds.  The ticker's
--- ticks go on, so the slow one catches up, and the ticks follow the pace of the slowest reader.
--- A tick on demand is notified only where there are others: the asker reads it in the same
--- call, and its NOTIFY - one for every batch of a consumer that keeps up - held the cluster's
--- notify lock through the commit's WAL flush and woke the asker's own session (TPC-B flat out
--- on the root, 3 alternated rounds each: 891 tps, 952 without it; bench/path_cpu.py).  Every
--- consumer that may sleep on LISTEN (another worker, a copy process, a sink, a consumer of the
--- API) is registered, and then every tick notifies.
--- (PL/pgSQL: an SQL function's query would be planned again at every call)
+drop function if exists pgcascade.tick_if_waiting(text, bool);
 drop function if exists pgcascade.readers_behind(pgcascade.subscription);
-create or replace function pgcascade.other_readers(s pgcascade.subscription, out behind bool, out others bool)
-language plpgsql stable as $$
-begin
-    select coalesce(bool_or(o.sub_active > now() - interval '10 seconds' and o.sub_last_tick < s.sub_last_tick - 2),
-                    false),
-           count(*) > 0
-      into behind, others
-      from pgcascade.subscription o join pgcascade.consumer c on c.co_id = o.sub_consumer
-     where o.sub_queue = s.sub_queue and o.sub_id <> s.sub_id and c.co_name <> '.global_watermark';
-end $$;
+drop function if exists pgcascade.other_readers(pgcascade.subscription);
 
 -- pgcascade.next_batch_events(queue, consumer, finish_batch, max_events, max_tick, tick,
 --                             inline_events, seqs) -> the consumer's next batch:
@@ -137,7 +83,27 @@ end $$;
 -- bound, and the worker holds the batch in memory).
 -- First it finishes `finish_batch` if that is still open (the consumer applied it; finishing
 -- twice is harmless), then, with `tick`, ticks the queue if the consumer is at its newest tick,
--- no other reader is far behind (other_readers) and committed events wait (tick_if_waiting).
+-- no other reader is far behind and committed events wait:
+-- - committed events: not only numbered ones, for a long transaction writing events would
+--   otherwise make an empty tick per call (events_committed_since).  Queues that take their
+--   ticks from elsewhere (a branch's) or are paused are left alone; so is a queue another
+--   session is ticking at this moment.
+-- - other readers: another consumer that reads batches (active in the last 10 seconds; the
+--   global watermark's registration reads none) more than 2 ticks behind this one makes ticks
+--   on demand wait: one that takes one tick per batch - a cascade branch, which must repeat
+--   every tick, or a PgQ consumer - would get more batches than it can apply while a faster one
+--   asks for a tick every few milliseconds.  The ticker's ticks go on, so the slow one catches
+--   up, and the ticks follow the pace of the slowest reader.
+-- - a tick on demand is notified only where the queue has another consumer at all: the asker
+--   reads it in the same call, and its NOTIFY - one for every batch of a consumer that keeps up
+--   - held the cluster's notify lock through the commit's WAL flush and woke the asker's own
+--   session (TPC-B flat out on the root, 3 alternated rounds each: 891 tps, 952 without it;
+--   bench/path_cpu.py).  Every consumer that may sleep on LISTEN (another worker, a copy
+--   process, a sink, a consumer of the API) is registered, and then every tick notifies.
+-- These lookups are inline, not calls: the queue and the subscription (find_subscription's),
+-- the newest tick (read once for both checks), the other readers and the committed events
+-- were four PL/pgSQL functions and two lookups more - 1.77M -> 1.63M instructions of the
+-- provider's backend a fetch with a tick (callgrind, two TPC-B transactions a batch).
 -- next_batch_custom's batch, cut here: the finish, the tick and the new batch write the
 -- subscription's row once, and a tick made here, next to the consumer's, is the batch's end
 -- with no further lookup (2.35 -> 1.84 ms a call at 500 tps).
@@ -156,10 +122,13 @@ create or replace function pgcascade.next_batch_events(
 language plpgsql set plan_cache_mode = force_generic_plan set enable_seqscan = off as $$
 declare
     s pgcascade.subscription;
+    q pgcascade.queue;
+    last pgcascade.tick;  -- the queue's newest tick
+    behind bool;  -- another reader is far behind
+    others bool;  -- the queue has another consumer
     finished bool := false;  -- i_finish_batch finished in s, not written yet
     beyond bool := false;  -- ticks follow the consumer's position
     made int8;  -- the tick this call made
-    readers record;  -- other_readers()
     v_next int8;
     prev_snap pg_snapshot;
     cur_snap txid_snapshot;
@@ -168,7 +137,17 @@ declare
     n_bytes int8;
     inline_bytes constant int8 := 8388608;
 begin
-    s := pgcascade.find_subscription(i_queue_name, i_consumer, true);
+    -- the queue and the consumer's row (locked): find_subscription's lookups
+    select * into q from pgcascade.queue where queue_name = i_queue_name;
+    if not found then
+        raise exception 'queue "%" does not exist', i_queue_name using errcode = 'P0002';
+    end if;
+    select sub.* into s from pgcascade.subscription sub join pgcascade.consumer c on c.co_id = sub.sub_consumer
+     where sub.sub_queue = q.queue_id and c.co_name = i_consumer for update of sub;
+    if not found then
+        raise exception 'consumer "%" is not registered on queue "%"', i_consumer, i_queue_name
+            using errcode = 'P0002';
+    end if;
     -- any other batch to finish was finished already (batch ids are the consumer's own, and its
     -- row is locked): nothing to do.  (An UPDATE of the row whose sub_batch it was read the
     -- whole subscription table, which has no index on it: 21 ms a call with a few thousand dead
@@ -183,12 +162,28 @@ begin
         -- the newest tick, by the primary key from its end: an EXISTS over tick_id > x was planned
         -- (generically, once the table had statistics) as a sequential scan that read every tick,
         -- and max() under a small table's statistics as an aggregate over every tick
-        beyond := coalesce((select t.tick_id from pgcascade.tick t where t.tick_queue = s.sub_queue
-                             order by t.tick_id desc limit 1) > s.sub_last_tick, false);
-        if not beyond and i_tick and (i_max_tick is null or i_max_tick > s.sub_last_tick) then
-            readers := pgcascade.other_readers(s);
-            if not readers.behind then
-                made := pgcascade.tick_if_waiting(i_queue_name, readers.others);
+        select * into last from pgcascade.tick t where t.tick_queue = s.sub_queue order by t.tick_id desc limit 1;
+        beyond := coalesce(last.tick_id > s.sub_last_tick, false);
+        if not beyond and i_tick and (i_max_tick is null or i_max_tick > s.sub_last_tick)
+           and not q.queue_external_ticker and not q.queue_ticker_paused then
+            select coalesce(bool_or(o.sub_active > now() - interval '10 seconds' and o.sub_last_tick < s.sub_last_tick - 2),
+                            false),
+                   count(*) > 0
+              into behind, others
+              from pgcascade.subscription o join pgcascade.consumer c on c.co_id = o.sub_consumer
+             where o.sub_queue = s.sub_queue and o.sub_id <> s.sub_id and c.co_name <> '.global_watermark';
+            -- committed events since the last tick: nothing numbered since it is not enough (a
+            -- transaction in progress then had numbered its events before it, and commits them
+            -- after), and numbered ones may not be committed yet
+            if not behind
+               and not (last.tick_id is not null
+                        and ((coalesce(pg_sequence_last_value(q.queue_event_seq), 0) <= last.tick_event_seq
+                              and not exists (select 1 from pg_snapshot_xip(last.tick_snapshot)))
+                             or not pgcascade.events_committed_since(q.queue_id, last.tick_snapshot))) then
+                perform 1 from pgcascade.queue where queue_id = q.queue_id for update skip locked;
+                if found then
+                    made := pgcascade.make_tick(q, null, null, null, others);
+                end if;
             end if;
         end if;
     end if;
