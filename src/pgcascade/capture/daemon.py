@@ -49,7 +49,7 @@ from pgcascade.capture.pgoutput import (
     lsn_int,
     lsn_str,
 )
-from pgcascade.core import metrics, pgconn, privileges
+from pgcascade.core import metrics, pgconn, privileges, roundtrip
 from pgcascade.core.config import JobConfig
 from pgcascade.core.daemon import Daemon
 from pgcascade.core.daemonlock import DaemonRole
@@ -432,7 +432,7 @@ class WalCapture(Daemon):
         assert self.writer is not None
         if not self.buf and not then:
             return
-        bind = psycopg.ClientCursor(self.writer).mogrify
+        bind = roundtrip.binder(self.writer).mogrify
         statements, counts = [], []
         for relid, rows in self.buf.items():
             statements.append(

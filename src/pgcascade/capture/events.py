@@ -9,6 +9,7 @@ import psycopg
 from psycopg import sql
 
 from pgcascade.capture.pgoutput import Relation
+from pgcascade.core import roundtrip
 
 # the end of what a commit group holds (its last source transaction), in its transaction
 CONFIRM = (
@@ -78,7 +79,7 @@ def rows_statement(
     """The statement, its values bound, that writes `rows` ([event type, values, time]) of `rel`
     into `queue`: with the images the daemon wrote when it could write every row's, else with
     images the server makes (the same text either way)."""
-    bind = psycopg.ClientCursor(conn).mogrify
+    bind = roundtrip.binder(conn).mogrify  # the connection's one cursor: not one a table and flush
     if rel.render is not None:
         images = [rel.render(vals) for _, vals, _ in rows]
         if None not in images:

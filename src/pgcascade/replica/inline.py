@@ -13,8 +13,8 @@ deletes) is applied by a statement of that kind alone over its rows, sent as one
 (applysql.one_kind_sql); if its precondition fails (a row to update missing here), the message
 is sent again with the set-based statements.  The server runs them in order and stops at the
 first failure (the worker then rolls the transaction back), so nothing in between waits for a
-result.  Nothing is staged: a row written to a temporary table and the table's truncation at commit cost more
-than the rest of a small batch (0.5 ms of the subscriber's 1.9 ms at 300 tps).
+result.  Nothing is staged: a row written to a temporary table and the table's truncation at
+commit cost more than the rest of a small batch (0.5 ms of the subscriber's 1.9 ms at 300 tps).
 
 Batches this path does not take go the general way (worker.process_batch): barrier events
 (TRUNCATE, EXECUTE, the table list, the set's own events), a table applied row by row (partial
