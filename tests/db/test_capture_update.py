@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import psycopg
 import pytest
-from conftest import TEXT_SETTINGS, table_checksum
+from conftest import TEXT_SETTINGS, Daemons, table_checksum
+
+from pgcascade.dev.localcluster import wait_until
 
 
 def run(db, *statements: str) -> None:
@@ -143,6 +145,56 @@ def test_key_changes_reach_the_leaf_set_based_and_row_by_row(replica):
             (1020, "move"),
             (1021, "move"),
         ], t
+
+
+def key_trigger_names_the_key(db) -> bool:
+    """Whether table a's key-change trigger is `UPDATE OF` its key (92_key_triggers.sql)."""
+    return db.scalar(
+        "select cardinality(tgattr::int2[]) > 0 from pg_trigger"
+        " where tgrelid = 'a'::regclass and tgname = '_pgcascade_capture_key'"
+    )
+
+
+def test_a_before_trigger_made_later_takes_the_key_triggers_column_list_off(replica, tmp_path):
+    # made on a table whose BEFORE trigger came after it, the key trigger would miss the keys
+    # that trigger changes: the maintenance, `execute` and auto DDL each make it again
+    run(replica.root, "create table a (id int primary key, v text)", MOVE)
+    run(replica.root, "insert into a select i, 'v' || i from generate_series(1, 50) i")
+    run(replica.leaf, MOVE)  # execute's script runs there too
+    replica.setup(["a"])
+    assert key_trigger_names_the_key(replica.root)
+    ticker = replica.start_ticker()
+    replica.start_worker()
+    replica.wait_sync()
+    move = "create trigger {} before update on a for each row execute function move_key()"
+
+    run(replica.root, move.format("move"))  # typed on the root: the ticker's maintenance sees it
+    wait_until(lambda: not key_trigger_names_the_key(replica.root), what="the maintenance to see the trigger")
+    run(replica.root, "update a set v = 'move' where id = 20")
+    run(replica.root, "drop trigger move on a")
+    wait_until(lambda: key_trigger_names_the_key(replica.root), what="the maintenance to see it gone")
+
+    Daemons.kill(ticker)  # from here on no maintenance makes it again in between
+    script = tmp_path / "move.sql"
+    script.write_text(move.format("move") + ";\n")
+    replica.cli("root", "execute", str(script))
+    assert not key_trigger_names_the_key(replica.root)
+    run(replica.root, "update a set v = 'move' where id = 21", "drop trigger move on a")
+    run(replica.root, f"select pgcascade.maint_key_triggers('{replica.queue}')")
+    assert key_trigger_names_the_key(replica.root)
+
+    replica.run("root", "auto-ddl", "on")
+    with replica.root.connect() as conn, conn.transaction():
+        conn.execute(move.format("move2"))
+        assert not conn.execute(
+            "select cardinality(tgattr::int2[]) > 0 from pg_trigger"
+            " where tgrelid = 'a'::regclass and tgname = '_pgcascade_capture_key'"
+        ).fetchone()[0]
+    run(replica.root, "update a set v = 'move' where id = 22")
+    replica.wait_sync()
+    assert_same_rows(replica, "a")
+    moved = rows(replica.leaf, "select id from a where v = 'move' or id in (20, 21, 22) order by id")
+    assert moved == [(1020,), (1021,), (1022,)]
 
 
 def test_a_table_captured_before_keeps_the_join_until_made_again(replica):

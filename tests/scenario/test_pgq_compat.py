@@ -328,7 +328,8 @@ def test_what_differs_from_pgq_on_purpose(real_and_compat, tmp_path: Path, write
         for t in tables:
             assert conn.execute("select to_regclass(%s)", (t,)).fetchone()[0] is not None
         assert conn.execute("select pgq.current_event_table('dq')").fetchone()[0] == "pgcascade.event_1_0"
-        # pgqd also runs pgcascade's upkeep: tick cleanup, the cascade's global watermark, partitions
+        # pgqd also runs pgcascade's upkeep: tick cleanup, the cascade's global watermark, partitions,
+        # key-change triggers
         ops = conn.execute(
             "select * from pgq.maint_operations() where func_name like 'pgcascade.%'"
         ).fetchall()
@@ -336,6 +337,7 @@ def test_what_differs_from_pgq_on_purpose(real_and_compat, tmp_path: Path, write
             ("pgcascade.maint_global_watermark", "dq"),
             ("pgcascade.maint_tick_cleanup", "dq"),
             ("pgcascade.maint_capture_partitions", "dq"),
+            ("pgcascade.maint_key_triggers", "dq"),
         ]
         # the queue is pgcascade's: its own API sees what PgQ's made
         assert (

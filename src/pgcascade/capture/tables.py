@@ -102,7 +102,8 @@ def refresh_sql_capture(conn: psycopg.Connection, queue: str) -> None:
 
 def run_script(conn: psycopg.Connection, queue: str, text: str, lift_key_triggers: bool) -> None:
     """In the caller's transaction, a DDL script on the root, its capture functions made again
-    after it.  `lift_key_triggers`: the tables' key-change triggers off around it, for a script
+    after it, and its key-change triggers where a trigger it made changes their form
+    (92_key_triggers.sql).  `lift_key_triggers`: those triggers off around it, for a script
     that changes a key column's type (which their condition names: PostgreSQL refuses it)."""
     lifted: list[str] = []
     if lift_key_triggers:
@@ -110,6 +111,7 @@ def run_script(conn: psycopg.Connection, queue: str, text: str, lift_key_trigger
     conn.execute(text.encode())
     if lifted:
         conn.execute("select pgcascade.capture_key_triggers_restore(%s, %s)", (queue, lifted))
+    conn.execute("select pgcascade.maint_key_triggers(%s)", (queue,))
     refresh_sql_capture(conn, queue)
 
 

@@ -20,8 +20,9 @@
 --   ev_type R = TRUNCATE (no data).
 -- An UPDATE of a table in JSON format that is not partitioned is a U of every new row (the
 -- statement trigger reads only its NEW TABLE), preceded, for each row whose key changed, by a
--- D of its old key (a row trigger WHEN the key differs, which ordinary updates never fire:
--- a statement's AFTER row events fire before its AFTER statement events).  A U is "the row is
+-- D of its old key (a row trigger WHEN the key differs, which ordinary updates never fire,
+-- UPDATE OF the key columns where that is safe: 92_key_triggers.sql; a statement's AFTER row
+-- events fire before its AFTER statement events).  A U is "the row is
 -- now this": every apply inserts it where the key is missing, so keys that swap places or
 -- shift (set k = 3 - k, set k = k + 1) end right even applied row by row.  This costs the
 -- writer less than joining old and new rows (bench/capture_cpu.py, 7 rounds of 5,000 TPC-B
@@ -322,49 +323,6 @@ returns void
 language sql as $$
     select pgcascade.capture_functions(i_queue, i_table, i_keys, i_format,
         exists (select 1 from pg_trigger where tgrelid = i_table and tgname = '_pgcascade_capture_key'))
-$$;
-
--- pgcascade.capture_key_trigger(table, key_columns) -> void: the row trigger that captures the
--- old key of a row whose key an UPDATE changed.  Not UPDATE OF the key: a BEFORE trigger may
--- change the key of a row whose UPDATE does not name it.  Its condition names the key columns,
--- so PostgreSQL refuses to change their type while it is there (`execute` takes it off and
--- puts it back around such a script: cli/tables.py).  Keys are NOT NULL: <> suffices.
-create or replace function pgcascade.capture_key_trigger(i_table regclass, i_keys text[]) returns void
-language plpgsql as $$
-begin
-    execute format('create trigger _pgcascade_capture_key after update on %s for each row when (%s)'
-                   ' execute function pgcascade.%I()', i_table,
-                   array_to_string(array(select format('old.%I OPERATOR(pg_catalog.<>) new.%I', k, k)
-                                           from unnest(i_keys) k), ' or '),
-                   'capture_' || i_table::oid || '_key');
-end $$;
-
--- pgcascade.capture_key_triggers_lift(queue) -> the set tables whose key trigger it dropped, for
--- a script that changes a key column's type; capture_key_triggers_restore(queue, tables) puts
--- them back in the same transaction.  DROP TRIGGER locks each table ACCESS EXCLUSIVE until then.
-create or replace function pgcascade.capture_key_triggers_lift(i_queue text) returns text[]
-language plpgsql as $$
-declare
-    lifted text[] := '{}';
-    t record;
-begin
-    for t in select st.table_name from pgcascade.set_table st
-              where st.queue_name = i_queue and to_regclass(st.table_name) is not null
-                and exists (select 1 from pg_trigger where tgrelid = to_regclass(st.table_name)
-                                                       and tgname = '_pgcascade_capture_key')
-              order by st.table_name
-    loop
-        execute format('drop trigger _pgcascade_capture_key on %s', t.table_name);
-        lifted := lifted || t.table_name;
-    end loop;
-    return lifted;
-end $$;
-
-create or replace function pgcascade.capture_key_triggers_restore(i_queue text, i_tables text[]) returns void
-language sql as $$
-    select pgcascade.capture_key_trigger(st.table_name::regclass, st.key_columns)
-      from pgcascade.set_table st
-     where st.queue_name = i_queue and st.table_name = any(i_tables) and to_regclass(st.table_name) is not null
 $$;
 
 -- pgcascade.capture_enable(queue, table, key_columns, format) -> void.

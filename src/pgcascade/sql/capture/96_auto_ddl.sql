@@ -650,6 +650,8 @@ language plpgsql security definer as $$
 begin
     if tg_tag = 'ALTER TABLE' then
         perform pgcascade.ddl_restore_key_trigger();
+    elsif tg_tag = 'CREATE TRIGGER' then
+        perform pgcascade.ddl_fit_key_triggers();
     end if;
     perform pgcascade.ddl_end(tg_tag, pg_catalog.current_schemas(false));
 end $$;

@@ -90,3 +90,25 @@ begin
       limit 1;
     perform pgcascade.ddl_quiet(v_prev);
 end $$;
+
+-- pgcascade.ddl_fit_key_triggers(): ddl_command_end of CREATE TRIGGER.  A BEFORE UPDATE row
+-- trigger on a set table (or on a partitioned table, whose partitions get it) may change a key
+-- the UPDATE does not name: the table's key-change triggers lose their column list in the same
+-- transaction (92_key_triggers.sql), whatever pgcascade.auto_ddl says: no DDL is replicated here.
+create or replace function pgcascade.ddl_fit_key_triggers() returns void
+language plpgsql security definer set search_path = pg_catalog, pg_temp as $$
+declare
+    t record;
+    v_prev text[];
+begin
+    v_prev := pgcascade.ddl_quiet();
+    for t in select distinct st.table_name, st.key_columns
+               from pg_event_trigger_ddl_commands() c
+               join pg_trigger g on c.classid = 'pg_trigger'::regclass and g.oid = c.objid
+               cross join lateral (select g.tgrelid union select relid from pg_partition_tree(g.tgrelid)) p(rel)
+               join pgcascade.set_table st on to_regclass(st.table_name) = p.rel
+    loop
+        perform pgcascade.key_triggers_fit(t.table_name::regclass, t.key_columns);
+    end loop;
+    perform pgcascade.ddl_quiet(v_prev);
+end $$;

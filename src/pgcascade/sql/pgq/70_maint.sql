@@ -76,13 +76,15 @@ end $$;
 -- pgcascade.maint_operations() -> (func_name, func_arg): the maintenance the ticker runs,
 -- each call in a transaction of its own.  The database says what to do; the daemon obeys.
 -- The global watermark goes first: rotation and cleanup wait behind it.  Partitions attached to
--- a captured partitioned table get their capture triggers (91_capture_partitions.sql).
+-- a captured partitioned table get their capture triggers (91_capture_partitions.sql); key-change
+-- triggers are made again where their form no longer fits the table (92_key_triggers.sql).
 create or replace function pgcascade.maint_operations(out func_name text, out func_arg text)
 returns setof record
 language sql stable as $$
     select f, queue_name from pgcascade.queue,
            unnest(array['pgcascade.maint_global_watermark', 'pgcascade.maint_rotate_tables',
-                        'pgcascade.maint_tick_cleanup', 'pgcascade.maint_capture_partitions']) f
+                        'pgcascade.maint_tick_cleanup', 'pgcascade.maint_capture_partitions',
+                        'pgcascade.maint_key_triggers']) f
     union all
     select 'pgcascade.maint_retry_events', null
 $$;

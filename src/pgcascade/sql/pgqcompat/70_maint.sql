@@ -61,6 +61,6 @@ language sql stable as $$
     select * from (
         select f, queue_name from pgcascade.queue,
                unnest(array['pgcascade.maint_global_watermark', 'pgcascade.maint_tick_cleanup',
-                             'pgcascade.maint_capture_partitions']) f
+                             'pgcascade.maint_capture_partitions', 'pgcascade.maint_key_triggers']) f
          order by queue_name) c
 $$;

@@ -58,8 +58,8 @@ begin
     return null;
 end $$;
 
--- pgcascade.record_key_tombstone(): AFTER UPDATE OF <key columns> row trigger, only when the key
--- changed (its WHEN clause): the old key is gone, as by a delete.  Ordinary updates never fire it.
+-- pgcascade.record_key_tombstone(): AFTER UPDATE row trigger, only when the key changed (its WHEN
+-- clause): the old key is gone, as by a delete.  Ordinary updates never fire it.
 create or replace function pgcascade.record_key_tombstone() returns trigger
 language plpgsql security definer set search_path = pg_catalog, pg_temp as $$
 declare
@@ -75,6 +75,19 @@ begin
     on conflict (table_name, row_key) do update set origin = null, origin_tick = null,
        origin_time = null, xid = excluded.xid, deleted = true;
     return null;
+end $$;
+
+-- pgcascade.tombstone_key_trigger(table, keys) -> void: the row trigger that records a tombstone
+-- of a row's old key when an UPDATE changed it, in the form that fits the table (92_key_triggers.sql).
+create or replace function pgcascade.tombstone_key_trigger(i_table regclass, i_keys text[]) returns void
+language plpgsql as $$
+begin
+    if current_setting('server_version_num')::int < 140000 then
+        execute format('drop trigger if exists _pgcascade_tombstone_key on %s', i_table);
+    end if;
+    execute pgcascade.key_trigger_sql('_pgcascade_tombstone_key', i_table, i_keys, 'old.%I is distinct from new.%I',
+        format('pgcascade.record_key_tombstone(%s)',
+               array_to_string(array(select quote_literal(k) from unnest(i_keys) k), ', ')));
 end $$;
 
 -- pgcascade.two_way_table(table, keys, on) -> void: make a set table of a master two-way (its
@@ -106,12 +119,7 @@ begin
         execute format('create trigger _pgcascade_tombstone_del after delete on %s referencing old table as pgcascade_old'
                        ' for each statement execute function pgcascade.record_tombstones(%s)',
                        i_table, array_to_string(array(select quote_literal(k) from unnest(i_keys) k), ', '));
-        execute format('create trigger _pgcascade_tombstone_key after update of %s on %s for each row'
-                       ' when (%s) execute function pgcascade.record_key_tombstone(%s)',
-                       array_to_string(array(select quote_ident(k) from unnest(i_keys) k), ', '), i_table,
-                       array_to_string(array(select format('old.%I is distinct from new.%I', k, k)
-                                               from unnest(i_keys) k), ' or '),
-                       array_to_string(array(select quote_literal(k) from unnest(i_keys) k), ', '));
+        perform pgcascade.tombstone_key_trigger(i_table, i_keys);
         execute format('create trigger _pgcascade_tombstone_trunc after truncate on %s'
                        ' for each statement execute function pgcascade.record_truncate()', i_table);
     end if;

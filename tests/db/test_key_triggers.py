@@ -1,0 +1,66 @@
+"""The key-change row triggers' form (sql/capture/92_key_triggers.sql): `UPDATE OF` the key
+columns, unless the table has a BEFORE UPDATE row trigger that may change a key the UPDATE does
+not name; the ticker's maintenance makes them again when that changes, keeping how they fire."""
+
+from __future__ import annotations
+
+MOVE = """
+create function move_key() returns trigger language plpgsql as $$
+begin
+    if new.v = 'move' then new.id := new.id + 1000; end if;
+    return new;
+end $$"""
+
+
+def forms(conn, table: str) -> dict[str, tuple[str, bool]]:
+    """Each key-change trigger of the table: how it fires, and whether it names columns."""
+    return {
+        name: (enabled, specific)
+        for name, enabled, specific in conn.execute(
+            "select tgname::text, tgenabled::text, cardinality(tgattr::int2[]) > 0 from pg_trigger"
+            " where tgrelid = %s::regclass and tgname like '%%\\_key' order by 1",
+            (table,),
+        )
+    }
+
+
+def test_a_before_trigger_takes_the_column_list_off_until_it_goes(db) -> None:
+    with db.connect() as conn:
+        conn.execute("create table t (id int primary key, v text)")
+        conn.execute("insert into t select i, 'v' || i from generate_series(1, 5) i")
+        conn.execute("select pgcascade.create_queue('q')")
+        conn.execute(
+            "insert into pgcascade.set_table (queue_name, table_name, key_columns) values ('q', 'public.t', '{id}')"
+        )
+        conn.execute("select pgcascade.capture_enable('q', 'public.t', '{id}', 'json')")
+        conn.execute("select pgcascade.two_way_table('public.t', '{id}', true)")  # fires ALWAYS
+        specific = {"_pgcascade_capture_key": ("A", True), "_pgcascade_tombstone_key": ("O", True)}
+        assert forms(conn, "t") == specific
+        assert conn.execute("select pgcascade.maint_key_triggers('q')").fetchone()[0] == 0
+
+        conn.execute(MOVE)
+        conn.execute("create trigger move before update on t for each row execute function move_key()")
+        assert forms(conn, "t") == specific  # no auto DDL here: the maintenance sees it
+        assert conn.execute("select pgcascade.maint_key_triggers('q')").fetchone()[0] == 1
+        assert forms(conn, "t") == {
+            "_pgcascade_capture_key": ("A", False),
+            "_pgcascade_tombstone_key": ("O", False),
+        }
+
+        # an UPDATE that does not name the key, whose key the BEFORE trigger changes: the old key's
+        # D and its tombstone, as when the statement names it
+        with conn.transaction():
+            conn.execute("update t set v = 'move' where id = 2")
+            txid = conn.execute("select txid_current()").fetchone()[0]
+        events = conn.execute(
+            "select ev_type, ev_data::jsonb->>'id' from pgcascade.event where ev_txid = %s order by ev_id",
+            (txid,),
+        ).fetchall()
+        assert events == [("D", "2"), ("U", "1002")]
+        assert conn.execute(
+            "select row_key, deleted from pgcascade.row_version where table_name = 'public.t'"
+        ).fetchall() == [([2], True)]
+
+        conn.execute("drop trigger move on t")
+        assert conn.execute("select pgcascade.maint_key_triggers('q')").fetchone()[0] == 1
+        assert forms(conn, "t") == specific
