@@ -163,6 +163,12 @@ declare
     -- events carry it too, and a rename of a set table is refused (docs/ddl.md)
     table_lit text := quote_literal(pgcascade.canonical_name(i_table));
     ring text;  -- wakes the queue's listening consumers (05_doorbell.sql)
+    -- a two-way master's peer apply says when nobody needs what it writes (pgcascade.forward):
+    -- only triggers that fire ALWAYS run in it (a replica session), so only such a table's
+    -- functions read the setting, a snapshot's worth of work at every statement of the
+    -- application (two_way_table makes them again when it changes how they fire)
+    forward_check bool := exists (select 1 from pg_trigger where tgrelid = i_table
+                                     and tgname = '_pgcascade_capture_ins' and tgenabled = 'A');
     -- origin_rare(), built into the INSERT: no call of an SQL function and no composite
     -- variable to fill at each statement of the application (with the doorbell's read below,
     -- 681 -> 658 us of the writer's CPU a TPC-B transaction: bench/capture_cpu.py, 7 rounds)
@@ -247,10 +253,10 @@ end $f$, msg));
         -- a peer's apply that no subscriber under this master needs passed on says so
         -- (pgcascade.forward = off, pgcascade.peer_apply_begin): nothing to write
         body := $f$
-begin$f$ || replace(part_check, '%', '%%') || $f$
+begin$f$ || replace(part_check, '%', '%%') || case when forward_check then $f$
     if pg_catalog.current_setting('pgcascade.forward', true) OPERATOR(pg_catalog.=) 'off' then  -- set with pgcascade.origin
         return null;
-    end if;
+    end if;$f$ else '' end || $f$
     %s;$f$ || ring || $f$
     return null;
 end $f$;

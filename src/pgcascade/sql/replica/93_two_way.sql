@@ -97,6 +97,7 @@ create or replace function pgcascade.two_way_table(i_table regclass, i_keys text
 language plpgsql as $$
 declare
     t text;
+    st record;
 begin
     -- already so: no ALTER TABLE (its lock would wait for, and hold up, the table's writers)
     if (select count(*) from pg_trigger where tgrelid = i_table
@@ -123,6 +124,14 @@ begin
         execute format('create trigger _pgcascade_tombstone_trunc after truncate on %s'
                        ' for each statement execute function pgcascade.record_truncate()', i_table);
     end if;
+    -- their functions read pgcascade.forward only where they fire ALWAYS (90_capture.sql)
+    for st in select s.queue_name, s.key_columns, s.event_format from pgcascade.set_table s
+               where to_regclass(s.table_name) = i_table
+                 and exists (select 1 from pg_trigger where tgrelid = i_table and tgname = '_pgcascade_capture_ins')
+    loop
+        perform 1 from pgcascade.queue where queue_name = st.queue_name for update;
+        perform pgcascade.capture_functions(st.queue_name, i_table, st.key_columns, st.event_format);
+    end loop;
 end $$;
 
 -- pgcascade.missing_row_expr(table) -> the SQL expression of a row of the table holding, in each

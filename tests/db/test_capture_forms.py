@@ -1,6 +1,8 @@
-"""The key-change row triggers' form (sql/capture/92_key_triggers.sql): `UPDATE OF` the key
-columns, unless the table has a BEFORE UPDATE row trigger that may change a key the UPDATE does
-not name; the ticker's maintenance makes them again when that changes, keeping how they fire."""
+"""What a captured table's triggers and functions are made of follows the table: the key-change
+row triggers are `UPDATE OF` the key columns unless the table has a BEFORE UPDATE row trigger
+that may change a key the UPDATE does not name (sql/capture/92_key_triggers.sql; the ticker's
+maintenance makes them again when that changes, keeping how they fire), and only a two-way
+table's capture functions read whether a peer's apply passes its changes on."""
 
 from __future__ import annotations
 
@@ -64,3 +66,38 @@ def test_a_before_trigger_takes_the_column_list_off_until_it_goes(db) -> None:
         conn.execute("drop trigger move on t")
         assert conn.execute("select pgcascade.maint_key_triggers('q')").fetchone()[0] == 1
         assert forms(conn, "t") == specific
+
+
+def test_only_a_two_way_tables_capture_reads_whether_a_peer_apply_passes_changes_on(db) -> None:
+    def events_of_a_peer_apply(conn, forward: str) -> int:
+        """Events captured by an UPDATE made as a peer's apply is (a replica session)."""
+        with conn.transaction():
+            conn.execute("set local session_replication_role = replica")
+            conn.execute(
+                "select set_config('pgcascade.origin', 'b', true), set_config('pgcascade.forward', %s, true)",
+                (forward,),
+            )
+            conn.execute("update t set v = v || '.' where id = 1")
+            txid = conn.execute("select txid_current()").fetchone()[0]
+        return conn.execute("select count(*) from pgcascade.event where ev_txid = %s", (txid,)).fetchone()[0]
+
+    with db.connect() as conn:
+        conn.execute("create table t (id int primary key, v text)")
+        conn.execute("insert into t values (1, 'a')")
+        conn.execute("select pgcascade.create_queue('q')")
+        conn.execute(
+            "insert into pgcascade.set_table (queue_name, table_name, key_columns) values ('q', 'public.t', '{id}')"
+        )
+        conn.execute("select pgcascade.capture_enable('q', 'public.t', '{id}', 'json')")
+        source = (
+            "select prosrc from pg_proc where proname = 'capture_' || 'public.t'::regclass::oid || '_upd'"
+            " and pronamespace = 'pgcascade'::regnamespace"
+        )
+        assert "pgcascade.forward" not in conn.execute(source).fetchone()[0]
+        assert events_of_a_peer_apply(conn, "off") == 0  # one-way: the trigger does not fire there
+
+        conn.execute("select pgcascade.two_way_table('public.t', '{id}', true)")
+        assert events_of_a_peer_apply(conn, "on") == 1
+        assert events_of_a_peer_apply(conn, "off") == 0
+        conn.execute("select pgcascade.two_way_table('public.t', '{id}', false)")
+        assert "pgcascade.forward" not in conn.execute(source).fetchone()[0]
