@@ -6,12 +6,7 @@ table's capture functions read whether a peer's apply passes its changes on."""
 
 from __future__ import annotations
 
-MOVE = """
-create function move_key() returns trigger language plpgsql as $$
-begin
-    if new.v = 'move' then new.id := new.id + 1000; end if;
-    return new;
-end $$"""
+from test_capture_update import MOVE
 
 
 def forms(conn, table: str) -> dict[str, tuple[str, bool]]:

@@ -25,37 +25,36 @@ language sql stable as $$
                           and p.pronamespace <> 'pgcascade'::regnamespace)
 $$;
 
--- pgcascade.key_trigger_sql(name, table, key_columns, condition_format, function) -> the CREATE
--- TRIGGER of a key-change trigger in the form that fits the table (a CREATE OR REPLACE on 14+,
--- where replacing takes no ACCESS EXCLUSIVE lock).  condition_format: format() of one key
+-- pgcascade.key_trigger_make(name, table, key_columns, condition_format, function) -> void: a
+-- key-change trigger, made (again) in the form that fits the table: CREATE OR REPLACE on 14+,
+-- where replacing one takes no ACCESS EXCLUSIVE lock.  condition_format: format() of one key
 -- column's test, given the column's name twice; the tests are or-ed.
-create or replace function pgcascade.key_trigger_sql(i_name text, i_table regclass, i_keys text[], i_test text,
-                                                     i_function text) returns text
-language sql stable as $$
-    select format('create %s trigger %I after update%s on %s for each row when (%s) execute function %s',
-                  case when current_setting('server_version_num')::int >= 140000 then 'or replace' end,
-                  i_name,
-                  case when pgcascade.key_triggers_column_specific(i_table)
-                       then ' of ' || array_to_string(array(select quote_ident(k) from unnest(i_keys) k), ', ') end,
-                  i_table,
-                  array_to_string(array(select format(i_test, k, k) from unnest(i_keys) k), ' or '),
-                  i_function)
-$$;
+create or replace function pgcascade.key_trigger_make(i_name text, i_table regclass, i_keys text[], i_test text,
+                                                      i_function text) returns void
+language plpgsql as $$
+declare
+    v_replace bool := current_setting('server_version_num')::int >= 140000;
+begin
+    if not v_replace then
+        execute format('drop trigger if exists %I on %s', i_name, i_table);
+    end if;
+    execute format('create %s trigger %I after update%s on %s for each row when (%s) execute function %s',
+                   case when v_replace then 'or replace' end, i_name,
+                   case when pgcascade.key_triggers_column_specific(i_table)
+                        then ' of ' || array_to_string(array(select quote_ident(k) from unnest(i_keys) k), ', ') end,
+                   i_table, array_to_string(array(select format(i_test, k, k) from unnest(i_keys) k), ' or '),
+                   i_function);
+end $$;
 
 -- pgcascade.capture_key_trigger(table, key_columns) -> void: the row trigger that captures the
 -- old key of a row whose key an UPDATE changed.  Its condition names the key columns, so
 -- PostgreSQL refuses to change their type while it is there (`execute` takes it off and puts
 -- it back around such a script: cli/tables.py).  Keys are NOT NULL: <> suffices.
 create or replace function pgcascade.capture_key_trigger(i_table regclass, i_keys text[]) returns void
-language plpgsql as $$
-begin
-    if current_setting('server_version_num')::int < 140000 then
-        execute format('drop trigger if exists _pgcascade_capture_key on %s', i_table);
-    end if;
-    execute pgcascade.key_trigger_sql('_pgcascade_capture_key', i_table, i_keys,
-                                      'old.%I OPERATOR(pg_catalog.<>) new.%I',
-                                      format('pgcascade.%I()', 'capture_' || i_table::oid || '_key'));
-end $$;
+language sql as $$
+    select pgcascade.key_trigger_make('_pgcascade_capture_key', i_table, i_keys, 'old.%I OPERATOR(pg_catalog.<>) new.%I',
+                                      format('pgcascade.%I()', 'capture_' || i_table::oid || '_key'))
+$$;
 
 -- pgcascade.capture_key_triggers_lift(queue) -> the set tables whose key trigger it dropped, for
 -- a script that changes a key column's type; capture_key_triggers_restore(queue, tables) puts

@@ -80,15 +80,11 @@ end $$;
 -- pgcascade.tombstone_key_trigger(table, keys) -> void: the row trigger that records a tombstone
 -- of a row's old key when an UPDATE changed it, in the form that fits the table (92_key_triggers.sql).
 create or replace function pgcascade.tombstone_key_trigger(i_table regclass, i_keys text[]) returns void
-language plpgsql as $$
-begin
-    if current_setting('server_version_num')::int < 140000 then
-        execute format('drop trigger if exists _pgcascade_tombstone_key on %s', i_table);
-    end if;
-    execute pgcascade.key_trigger_sql('_pgcascade_tombstone_key', i_table, i_keys, 'old.%I is distinct from new.%I',
+language sql as $$
+    select pgcascade.key_trigger_make('_pgcascade_tombstone_key', i_table, i_keys, 'old.%I is distinct from new.%I',
         format('pgcascade.record_key_tombstone(%s)',
-               array_to_string(array(select quote_literal(k) from unnest(i_keys) k), ', ')));
-end $$;
+               array_to_string(array(select quote_literal(k) from unnest(i_keys) k), ', ')))
+$$;
 
 -- pgcascade.two_way_table(table, keys, on) -> void: make a set table of a master two-way (its
 -- capture triggers fire in a peer's apply too, which runs as a replica session; tombstones of
