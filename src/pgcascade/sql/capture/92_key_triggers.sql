@@ -2,7 +2,7 @@
 -- a row's old key) and a two-way master's (_pgcascade_tombstone_key, 93_two_way.sql).  Each
 -- fires only WHEN a key column differs, but PostgreSQL reads and compiles that condition again
 -- at every UPDATE statement of the table, ~15,000 instructions of the writer's backend a
--- statement whether it changes a key or not (bench/capture_cpu.py --callgrind: 449k -> 411k a
+-- statement whether it changes a key or not (bench/capture_cpu.py --callgrind: 450k -> 410k a
 -- TPC-B transaction over no capture).  Made `AFTER UPDATE OF <key columns>`, the trigger is
 -- skipped before its condition when the statement's SET list names no key column.
 --
