@@ -127,6 +127,20 @@ class WorkerSettings:
         " (docs/replication.md)",
         minimum=0,
     )
+    pace_max: float = setting(
+        0.02,
+        "the longest wait before the batch after a small one while the host's CPUs are under"
+        " pressure (0: never wait; docs/replication.md, paced batches)",
+        minimum=0,
+    )
+    pace_pressure: int = setting(
+        50,
+        "the CPU pressure (percent of the time a task waited for a CPU) above which batches are paced",
+        minimum=1,
+    )
+    pace_pressure_file: Path = setting(
+        Path("/proc/pressure/cpu"), "the PSI file read (a cgroup's cpu.pressure: that group's pressure)"
+    )
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,11 @@ BATCH_SECONDS = Histogram(
     NODE,
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
+PACE_SECONDS = Gauge(
+    "pgcascade_pace_seconds",
+    "the wait before the batch after a small one, while the host's CPUs are busy",
+    NODE,
+)
 TABLES = Gauge(
     "pgcascade_tables", "tables replicated here, by copy state (NULL, in-copy, ..., ok)", [*NODE, "phase"]
 )

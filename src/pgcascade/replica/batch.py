@@ -92,6 +92,7 @@ class Batches:
     fresh: tuple[nodes.Node, list[subscriber.SubscriberTable]] | None
     fresh_until: float
     stats_line: tuple | None  # the last batch's, until flush_stats logs it
+    paced: float  # seconds waited before the batch's fetch (pacing.py)
     peer_state: peer_worker.PeerState
     streamer: stream.Streamer
     ahead: Ahead
@@ -184,12 +185,13 @@ class Batches:
         # logged while the provider runs the next fetch (flush_stats): writing it took ~0.1 ms
         # of a loaded worker's round, between a batch's commit and the next fetch
         self.stats_line = (
-            "{count: %d, ignored: %d, duration: %.3f, %s%s}",
+            "{count: %d, ignored: %d, duration: %.3f, %s%s%s}",
             stats.count,
             stats.ignored,
             duration,
             str(self.phases),
             f", conflicts: {stats.conflicts}" if node.is_peer else "",
+            f", paced: {self.paced:.3f}" if self.paced else "",
         )
         if self.metrics:
             labels = (self.queue, node.node_name)

@@ -47,7 +47,7 @@ from pgcascade.core.errors import UserError
 from pgcascade.core.hooks import pause_point
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
-from pgcascade.replica import ahead, inline, peer_worker, stream
+from pgcascade.replica import ahead, inline, pacing, peer_worker, stream
 from pgcascade.replica import seqs as subscriber_seqs
 from pgcascade.replica import tables as subscriber
 from pgcascade.replica.apply import REPLICA_SESSION, TableApplier
@@ -138,6 +138,8 @@ class Worker(PeerLoop, Batches, Daemon):
         self.fresh_until = 0.0
         self.stats_line: tuple | None = None  # the last batch's, logged with the next fetch
         self.delay = ApplyDelay()  # a delayed leaf (apply_delay)
+        self.pacer = pacing.Pacer(cfg.worker)  # a one-way worker's, while its host's CPUs are busy
+        self.paced = 0.0  # the wait before the last fetch (pacer)
         # a master's peer worker: when its peer's queue is asked again unless it notifies, whether
         # it notified since the last ask, and when it may be asked for a tick (PEER_TICK_SPACING)
         self.ask_at = self.tick_after = 0.0
@@ -146,6 +148,7 @@ class Worker(PeerLoop, Batches, Daemon):
 
     def reload(self) -> None:
         self.peers_until = 0.0
+        self.pacer = pacing.Pacer(self.cfg.worker)
         self.copies.cfg = self.cfg
         self.parallel.lanes = self.cfg.worker.apply_connections
         self.parallel.min_events = self.cfg.worker.parallel_apply_min_events
@@ -364,6 +367,7 @@ class Worker(PeerLoop, Batches, Daemon):
             else ahead.Fetch(self.queue, node.consumer, max_events, INLINE_EVENTS, seqs)
         )
         self.ahead_batch = self.staged_ahead(prov, node, max_tick)
+        self.paced = self.pacer.wait() if self.ahead_batch is None else 0.0
         if self.ahead_batch is not None:
             info = self.ahead_batch.info  # fetched and staged while the last batch was applied
         else:
@@ -393,6 +397,10 @@ class Worker(PeerLoop, Batches, Daemon):
                 applied = self.process_batch(sub, prov, node, tables, info)
             finally:
                 roundtrip.settle(prov)
+            if not node.is_peer:
+                self.pacer.after_batch(applied)
+                if self.metrics:
+                    metrics.PACE_SECONDS.labels(self.queue, node.node_name).set(self.pacer.pause)
             if node.is_peer and applied > PEER_SPACED_EVENTS:
                 self.tick_after = fetched + PEER_TICK_SPACING * (time.monotonic() - fetched)
         self.report_watermark(sub, prov, node)
