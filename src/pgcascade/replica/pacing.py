@@ -1,6 +1,6 @@
-"""Paced batches: a leaf that yields the CPU while its host has none to spare.
+"""Paced batches: a one-way worker that yields the CPU while its host has none to spare.
 
-A leaf that keeps up asks for its next batch as soon as it has applied the last one, so under
+A worker that keeps up asks for its next batch as soon as it has applied the last one, so under
 load it makes hundreds of small batches a second, each with a fixed cost on three processes (the
 fetch and its tick's commit on the provider, the apply on the subscriber, the worker's own
 round trips).  While the host's CPUs have time to spare that cost is invisible and the lag stays
