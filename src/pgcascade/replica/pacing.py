@@ -7,7 +7,7 @@ round trips).  While the host's CPUs have time to spare that cost is invisible a
 at the path's floor.  Once the application's processes queue for a CPU, every burst of the
 path's makes their statements wait, and their throughput pays for it: TPC-B flat out on the
 provider's host (issue 25's W1, two clients) lost a third of its transactions to the path in a
-slow hour, when the capture triggers alone cost it a tenth.
+slow hour, where the capture triggers alone cost it 15 %.
 
 The worker reads its host's CPU pressure (Linux PSI, `some`: the share of time at least one
 runnable task waited for a CPU), smoothed over the last fraction of a second.  While it is above
