@@ -13,6 +13,8 @@ import time
 import psycopg
 from conftest import table_checksum
 
+from pgcascade.pgq import queue as q
+
 QUEUE = "rep"
 
 
@@ -137,3 +139,49 @@ def test_a_transaction_open_at_the_last_tick_keeps_the_consumer_polling(replica)
             assert listens(consumer, 3000, seen) is (outcome == "commit")
             consumer.execute("select pgcascade.ticker(%s)", (QUEUE,))
             assert listens(consumer, 3000, event_seq(consumer)) is False
+
+
+def test_a_fetch_that_finds_nothing_rings_and_one_that_finds_a_batch_does_not(replica):
+    """next_batch_events with `listen`: the call that finds no batch sets the doorbell as
+    consumer_listens would and answers its `pending`; a call that finds one leaves it alone."""
+    with replica.root.connect() as c:
+        c.execute("create table t (id int primary key, v text)")
+    replica.cli("root", "create-root", "root")
+    replica.cli("root", "add-table", "t")
+    with (
+        psycopg.connect(replica.root.connstr, autocommit=True) as consumer,
+        psycopg.connect(replica.root.connstr) as writer,
+    ):
+        q.register_consumer(consumer, QUEUE, "c1")
+        consumer.execute("listen pgcascade_tick")
+
+        def fetch(listen: float | None, finish: int | None = None) -> q.BatchInfo:
+            return q.next_batch_events(
+                consumer, QUEUE, "c1", finish=finish, max_events=None, max_tick=None, inline_events=100,
+                listen=listen,
+            )  # fmt: skip
+
+        info = fetch(None)
+        while info.batch_id is not None:  # what create-root and add-table queued
+            info = fetch(None, finish=info.batch_id)
+        info = fetch(0.5)
+        assert (info.batch_id, info.pending) == (None, False)  # nothing numbered: it may sleep
+        writer.execute("insert into t values (1, 'rings')")
+        writer.commit()
+        assert heard(consumer) == [QUEUE]
+        time.sleep(0.6)  # the doorbell runs out
+        info = fetch(3.0)
+        assert info.batch_id is not None and info.pending is None  # a batch: no ring
+        writer.execute("insert into t values (2, 'nobody listens')")
+        writer.commit()
+        assert heard(consumer) == []
+        info = fetch(3.0, finish=info.batch_id)  # the insert of 2, ticked on demand
+        assert info.batch_id is not None
+        info = fetch(3.0, finish=info.batch_id)
+        assert (info.batch_id, info.pending) == (None, False)
+        writer.execute("insert into t values (3, 'numbered, not committed')")
+        info = fetch(3.0)
+        assert (info.batch_id, info.pending) == (None, True)  # it must poll
+        writer.commit()  # and the commit rings: the fetch set the doorbell for 3 s
+        assert heard(consumer) == [QUEUE]
+        assert fetch(None).batch_id is not None

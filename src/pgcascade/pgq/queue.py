@@ -44,6 +44,9 @@ class BatchInfo:
     row_counts: dict[str, int] | None = None
     other_events: int | None = None
     seq_values: list[int | None] | None = None
+    # next_batch_events with `listen` and no batch: the doorbell rung, and whether events may be
+    # pending all the same (consumer_listens' answer)
+    pending: bool | None = None
 
     @property
     def numbered(self) -> int:
@@ -162,6 +165,7 @@ def next_batch_events(
     commit_times: bool = False,
     early: bool = False,
     meanwhile: Callable[[], None] | None = None,
+    listen: float | None = None,
 ) -> BatchInfo:
     """One round trip: finish batch `finish` (if still open), tick the queue if `tick`, the
     consumer is caught up and committed events wait, open the next batch and return it - with
@@ -170,12 +174,24 @@ def next_batch_events(
     a batch comes back before the call's commit is done (a tick it made waits for its WAL
     flush): roundtrip.settle(conn) waits for it, and must come before the batch is applied
     anywhere and before any other use of conn.  `meanwhile` is called while the provider runs
-    it."""
+    it.  With `listen`, a call that finds no batch rings the queue's doorbell for `listen`
+    seconds as consumer_listens does, and says in `pending` what that would."""
     # a worker's call at every batch: sent and read by libpq (core/roundtrip.py)
     query = roundtrip.compose(
         conn,
-        "select * from pgcascade.next_batch_events(%s, %s, %s, %s, %s, %s, %s, %s, %s)",
-        (queue, consumer, finish, max_events, max_tick, tick, inline_events, seqs, commit_times),
+        "select * from pgcascade.next_batch_events(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+        (
+            queue,
+            consumer,
+            finish,
+            max_events,
+            max_tick,
+            tick,
+            inline_events,
+            seqs,
+            commit_times,
+            None if listen is None else round(listen * 1000),
+        ),
     )
     if early:
         result = roundtrip.send_early(conn, query, meanwhile)

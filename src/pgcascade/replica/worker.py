@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import select
 import time
 
 import psycopg
@@ -47,7 +46,7 @@ from pgcascade.core.errors import UserError
 from pgcascade.core.hooks import pause_point
 from pgcascade.pgq import node as nodes
 from pgcascade.pgq import queue as q
-from pgcascade.replica import ahead, inline, pacing, peer_worker, stream
+from pgcascade.replica import ahead, doorbell, inline, pacing, peer_worker, stream
 from pgcascade.replica import seqs as subscriber_seqs
 from pgcascade.replica import tables as subscriber
 from pgcascade.replica.apply import REPLICA_SESSION, TableApplier
@@ -55,6 +54,7 @@ from pgcascade.replica.batch import Batches, BatchPhases
 from pgcascade.replica.copies import CopyLauncher
 from pgcascade.replica.copy import BulkCopier
 from pgcascade.replica.delay import ApplyDelay
+from pgcascade.replica.doorbell import LISTEN_AFTER, LISTEN_MAX, LISTEN_MIN, POLL_MAX, POLL_MIN
 from pgcascade.replica.parallel import ParallelApply, ahead_of
 from pgcascade.replica.peer_loop import PEER_IDLE_POLL, PEER_SPACED_EVENTS, PEER_TICK_SPACING, PeerLoop
 from pgcascade.replica.stage import ensure_stage
@@ -63,25 +63,6 @@ from pgcascade.replica.state import Phase
 log = logging.getLogger("pgcascade.replay")
 
 INLINE_EVENTS = 2000  # a batch of at most this many events comes inline with next_batch_events
-# a fetch that found nothing is asked again after twice POLL_MIN, doubling while nothing comes
-# (from LISTEN_AFTER on, the worker sleeps on LISTEN): 1 ms after the last batch, not 2, took the
-# lag from 7.7 to 7.5 ms at 500 tps and from 7.7 to 7.2 at 2,000 (alternate runs; path_cpu.py:
-# the provider's CPU +7%, the worker's less, with its notification wait no longer spinning)
-POLL_MIN, POLL_MAX = 0.0005, 0.05
-# a caught-up worker whose provider ticks on demand sleeps on LISTEN this long, doubling while
-# idle, and its doorbell rings as long: after a wake-up the writers' commits stop notifying
-# within LISTEN_MIN (each notifying commit holds a cluster-wide lock through its WAL flush).  A
-# commit after the doorbell ran out and before the next ring is seen by that ring (pending).
-LISTEN_MIN, LISTEN_MAX = 0.002, 1.0
-# ...once its poll delay reached this: after its first empty answer.  A worker that keeps
-# finding changes asks again at once and rings nobody (a doorbell rung after every batch made
-# every commit notify, and the notifying commits queued behind each other's WAL flushes: W1
-# 0.45 of no replication against 0.53).  A one-way worker waited ~15 ms without changes until
-# session 38; at 1 ms (path_cpu.py, alternated pairs) the lag at 500 tps 8.3 -> 8.0 ms (mean of
-# six medians), p95 13.6 -> 13.2, at 2,000 tps and under W1's load the same (three pairs
-# each).  A peer worker waited ~3 ms: at 1 ms two masters at 200 tps a master 12.7 -> 11.9 ms
-# (six alternated runs of two_way_bench.py, flat out within the noise)
-LISTEN_AFTER = 0.001
 
 
 def batch_cap(tables: list[subscriber.SubscriberTable], applied: int | None) -> int | None:
@@ -132,6 +113,7 @@ class Worker(PeerLoop, Batches, Daemon):
         self.poll_delay = POLL_MIN
         self.listen_wait = LISTEN_MIN
         self.seen_event_seq: int | None = None  # the event sequence at the tick last fetched to
+        self.rung: tuple[bool, float] | None = None  # the last fetch rang: (pending, for how long)
         self.durability = inline.Durability.new()
         self.seqs: list[tuple[str, str]] = []  # followed sequences (name, here), read every watermark_period
         self.fresh: tuple[nodes.Node, list[subscriber.SubscriberTable]] | None = None
@@ -280,6 +262,13 @@ class Worker(PeerLoop, Batches, Daemon):
         poll delay reached LISTEN_AFTER): it rings the queue's doorbell before it sleeps."""
         return self.polls and self.poll_delay >= LISTEN_AFTER
 
+    def ring_if_empty(self, node: nodes.Node) -> float | None:
+        """How long the fetch is to ring the doorbell for if it finds nothing, where the worker
+        would ring right after it (listen): one round trip less each time it goes idle."""
+        if node.is_peer or not self.polls or self.delay.due_in is not None or self.peer_workers:
+            return None
+        return min(self.loop_delay, self.listen_wait) if 2 * self.poll_delay >= LISTEN_AFTER else None
+
     def listen(self, seconds: float) -> float:
         """A consumer that makes its provider's ticks: ring the queue's doorbell and say how long
         to sleep on LISTEN - a while (longer each idle round, at most `seconds`) when no event
@@ -287,28 +276,20 @@ class Worker(PeerLoop, Batches, Daemon):
         (their producer may have looked at the doorbell before it rang)."""
         assert self.prov is not None
         wait = min(seconds, self.listen_wait)
-        if q.consumer_listens(self.prov, self.queue, wait, self.seen_event_seq):
+        rung, self.rung = self.rung, None
+        if rung is not None:  # by the fetch that found nothing
+            pending, wait = rung
+        else:
+            pending = q.consumer_listens(self.prov, self.queue, wait, self.seen_event_seq)
+        if pending:
             return min(wait, self.poll_delay)
         self.listen_wait = min(2 * self.listen_wait, LISTEN_MAX)
         return wait
 
     def notified(self, timeout: float = 0.0, wakes_only: bool = False) -> bool:
-        """Whether a tick of this queue, a producer ringing its doorbell or a wake notified
-        (within `timeout`; `wakes_only`: a wake alone counts); takes every notification received
-        so far (ticks this worker made do not count)."""
+        """Whether this queue's provider notified (doorbell.notified) within `timeout`."""
         assert self.prov is not None
-        me, deadline = self.prov.info.backend_pid, time.monotonic() + timeout
-        wanted = {q.wake_payload(self.queue)} if wakes_only else {self.queue, q.wake_payload(self.queue)}
-        while True:
-            if any(n.pid != me and n.payload in wanted for n in self.prov.notifies(timeout=0)):
-                return True
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            # the wait itself on the socket: psycopg's notifies(timeout) polls in whole
-            # milliseconds, and spun on polls of 0 ms through the last fraction of one (strace:
-            # 8,400 polls in 3 s at 500 tps)
-            select.select([self.prov.fileno()], [], [], left)
+        return doorbell.notified(self.prov, self.queue, timeout, wakes_only)
 
     # --- the loop ---
     def work(self) -> bool:
@@ -368,6 +349,7 @@ class Worker(PeerLoop, Batches, Daemon):
         )
         self.ahead_batch = self.staged_ahead(prov, node, max_tick)
         self.paced = self.pacer.wait() if self.ahead_batch is None else 0.0
+        self.rung, ring = None, self.ring_if_empty(node)
         if self.ahead_batch is not None:
             info = self.ahead_batch.info  # fetched and staged while the last batch was applied
         else:
@@ -388,7 +370,10 @@ class Worker(PeerLoop, Batches, Daemon):
                 # a leaf's batch may come before the fetch's commit is done (process_batch)
                 early=self.commits_async(node) and not node.is_peer,
                 meanwhile=self.flush_stats,
+                listen=ring,
             )
+            if ring is not None and info.pending is not None:
+                self.rung = (info.pending, ring)
         self.unfinished = None
         if info.batch_id is not None:
             fetched, numbered = time.monotonic(), info.numbered

@@ -65,7 +65,8 @@ drop function if exists pgcascade.readers_behind(pgcascade.subscription);
 drop function if exists pgcascade.other_readers(pgcascade.subscription);
 
 -- pgcascade.next_batch_events(queue, consumer, finish_batch, max_events, max_tick, tick,
---                             inline_events, seqs) -> the consumer's next batch:
+--                             inline_events, seqs, commit_times, listen_ms) -> the consumer's
+--                             next batch:
 --   the columns of next_batch_custom (batch_id null: nothing new), and
 --   event_sql     the query of the batch's events, when they are not inline
 --   events        the events as a JSON array (text) of [ev_id, ev_txid, ev_type, ev_data, ev_extra1,
@@ -77,6 +78,11 @@ drop function if exists pgcascade.other_readers(pgcascade.subscription);
 --                 (null: no such one)
 --   cur_tick_snapshot  the batch's later tick's snapshot, as text (a two-way master's marker
 --                 says it; a tick this call made is not in its caller's statement snapshot)
+--   pending       with `listen_ms` and no batch: the queue's doorbell was set for listen_ms
+--                 and this says whether events may be pending all the same (consumer_listens,
+--                 05_doorbell.sql): a caught-up consumer about to sleep on LISTEN rings in the
+--                 call that found nothing, not in a round trip of its own after it (at 200 tps
+--                 one consumer_listens call for every batch, 9 % of the provider's CPU of the path)
 -- With `commit_times`, inline events carry their transaction's commit time (track_commit_timestamp)
 -- instead of their insertion time: a two-way master compares versions by the origin's commit
 -- time.  Events of more than inline_bytes (8 MB) in all are never inline (JSON text has a 1 GB
@@ -107,16 +113,17 @@ drop function if exists pgcascade.other_readers(pgcascade.subscription);
 -- next_batch_custom's batch, cut here: the finish, the tick and the new batch write the
 -- subscription's row once, and a tick made here, next to the consumer's, is the batch's end
 -- with no further lookup (2.35 -> 1.84 ms a call at 500 tps).
--- (an install before it had neither commit_times nor cur_tick_snapshot)
+-- (the installs before it had neither commit_times nor cur_tick_snapshot, then no listen_ms)
 drop function if exists pgcascade.next_batch_events(text, text, int8, int8, int8, bool, int8, text[]);
+drop function if exists pgcascade.next_batch_events(text, text, int8, int8, int8, bool, int8, text[], bool);
 create or replace function pgcascade.next_batch_events(
     i_queue_name text, i_consumer text, i_finish_batch int8, i_max_events int8, i_max_tick int8,
-    i_tick bool, i_inline_events int8, i_seqs text[], i_commit_times bool,
+    i_tick bool, i_inline_events int8, i_seqs text[], i_commit_times bool, i_listen_ms int8 default null,
     out batch_id int8, out cur_tick_id int8, out prev_tick_id int8,
     out cur_tick_time timestamptz, out prev_tick_time timestamptz,
     out cur_tick_event_seq int8, out prev_tick_event_seq int8,
     out event_sql text, out events text, out row_counts json, out other_events int8, out seq_values int8[],
-    out cur_tick_snapshot text)
+    out cur_tick_snapshot text, out pending bool)
 -- generic plans: a custom plan of the events query (pruned to the queue's partitions at plan
 -- time) looks cheaper to the plan cache, which then plans it again at every call
 language plpgsql set plan_cache_mode = force_generic_plan set enable_seqscan = off as $$
@@ -218,6 +225,9 @@ begin
             update pgcascade.subscription
                set sub_last_tick = s.sub_last_tick, sub_next_tick = null, sub_batch = null, sub_active = now()
              where sub_id = s.sub_id;
+        end if;
+        if i_listen_ms is not null then
+            pending := pgcascade.consumer_listens(i_queue_name, i_listen_ms, prev_tick_event_seq);
         end if;
         return;
     end if;
