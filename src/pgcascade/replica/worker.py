@@ -113,7 +113,7 @@ class Worker(PeerLoop, Batches, Daemon):
         self.poll_delay = POLL_MIN
         self.listen_wait = LISTEN_MIN
         self.seen_event_seq: int | None = None  # the event sequence at the tick last fetched to
-        self.rung: tuple[bool, float] | None = None  # the last fetch rang: (pending, for how long)
+        self.rung: tuple[bool, float] | None = None  # the last fetch rang: (pending, until when)
         self.durability = inline.Durability.new()
         self.seqs: list[tuple[str, str]] = []  # followed sequences (name, here), read every watermark_period
         self.fresh: tuple[nodes.Node, list[subscriber.SubscriberTable]] | None = None
@@ -270,15 +270,16 @@ class Worker(PeerLoop, Batches, Daemon):
         return min(self.loop_delay, self.listen_wait) if 2 * self.poll_delay >= LISTEN_AFTER else None
 
     def listen(self, seconds: float) -> float:
-        """A consumer that makes its provider's ticks: ring the queue's doorbell and say how long
-        to sleep on LISTEN - a while (longer each idle round, at most `seconds`) when no event
+        """A consumer that makes its provider's ticks: ring the queue's doorbell (unless the
+        fetch that found nothing rang it: then until when it rings) and say how long to sleep
+        on LISTEN - a while (longer each idle round, at most `seconds`) when no event
         waits, or the poll delay when some were numbered but not committed at the last fetch
         (their producer may have looked at the doorbell before it rang)."""
         assert self.prov is not None
         wait = min(seconds, self.listen_wait)
         rung, self.rung = self.rung, None
-        if rung is not None:  # by the fetch that found nothing
-            pending, wait = rung
+        if rung is not None:  # by the fetch that found nothing: it rings until then
+            pending, wait = rung[0], max(0.0, rung[1] - time.monotonic())
         else:
             pending = q.consumer_listens(self.prov, self.queue, wait, self.seen_event_seq)
         if pending:
@@ -349,7 +350,7 @@ class Worker(PeerLoop, Batches, Daemon):
         )
         self.ahead_batch = self.staged_ahead(prov, node, max_tick)
         self.paced = self.pacer.wait() if self.ahead_batch is None else 0.0
-        self.rung, ring = None, self.ring_if_empty(node)
+        self.rung, ring, fetched_at = None, self.ring_if_empty(node), time.monotonic()
         if self.ahead_batch is not None:
             info = self.ahead_batch.info  # fetched and staged while the last batch was applied
         else:
@@ -373,7 +374,7 @@ class Worker(PeerLoop, Batches, Daemon):
                 listen=ring,
             )
             if ring is not None and info.pending is not None:
-                self.rung = (info.pending, ring)
+                self.rung = (info.pending, fetched_at + ring)
         self.unfinished = None
         if info.batch_id is not None:
             fetched, numbered = time.monotonic(), info.numbered
