@@ -39,11 +39,16 @@ def event_seq(conn: psycopg.Connection) -> int:
     return int(row[0])
 
 
-def test_capture_rings_only_while_a_consumer_listens(replica):
+def root_capturing_t(replica) -> None:
+    """A root (no leaf) whose queue captures table t."""
     with replica.root.connect() as c:
         c.execute("create table t (id int primary key, v text)")
     replica.run("root", "create-root", "root")
     replica.run("root", "add-table", "t")
+
+
+def test_capture_rings_only_while_a_consumer_listens(replica):
+    root_capturing_t(replica)
     with (
         psycopg.connect(replica.root.connstr, autocommit=True) as consumer,
         psycopg.connect(replica.root.connstr) as writer,
@@ -119,10 +124,7 @@ def test_an_idle_worker_sleeps_on_listen_and_replays_at_once(replica):
 def test_a_transaction_open_at_the_last_tick_keeps_the_consumer_polling(replica):
     """Its events were numbered before the tick (before the doorbell was set: it rings nobody at
     commit), so the consumer must not sleep while it runs, nor once it committed them."""
-    with replica.root.connect() as c:
-        c.execute("create table t (id int primary key, v text)")
-    replica.cli("root", "create-root", "root")
-    replica.cli("root", "add-table", "t")
+    root_capturing_t(replica)
     for outcome in ("commit", "rollback"):
         with (
             psycopg.connect(replica.root.connstr, autocommit=True) as consumer,
@@ -144,10 +146,7 @@ def test_a_transaction_open_at_the_last_tick_keeps_the_consumer_polling(replica)
 def test_a_fetch_that_finds_nothing_rings_and_one_that_finds_a_batch_does_not(replica):
     """next_batch_events with `listen`: the call that finds no batch sets the doorbell as
     consumer_listens would and answers its `pending`; a call that finds one leaves it alone."""
-    with replica.root.connect() as c:
-        c.execute("create table t (id int primary key, v text)")
-    replica.cli("root", "create-root", "root")
-    replica.cli("root", "add-table", "t")
+    root_capturing_t(replica)
     with (
         psycopg.connect(replica.root.connstr, autocommit=True) as consumer,
         psycopg.connect(replica.root.connstr) as writer,
