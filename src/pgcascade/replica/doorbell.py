@@ -1,10 +1,11 @@
-"""How a caught-up one-way worker waits for changes where its provider ticks on demand.
+"""How a caught-up worker (one-way, or a master's for each peer) waits for changes where its
+provider ticks on demand.
 
 After a batch it asks again at once; a fetch that finds nothing is asked again after a poll
 delay that doubles while nothing comes, and from LISTEN_AFTER on the worker rings the queue's
 doorbell (05_doorbell.sql: producers notify while it rings) and sleeps on LISTEN - ringing in the
-fetch that found nothing where it can (next_batch_events' `listen_ms`), not in a round trip of
-its own after it.
+fetch that found nothing where it can (a one-way worker: next_batch_events' `listen_ms`), not
+in a round trip of its own after it.
 """
 
 from __future__ import annotations

@@ -257,17 +257,20 @@ class Worker(PeerLoop, Batches, Daemon):
         w.metrics = self.metrics
         return w
 
-    def rings(self) -> bool:
+    def rings(self, poll_delay: float | None = None) -> bool:
         """Whether this worker's provider ticks on demand and no change came for a while (its
-        poll delay reached LISTEN_AFTER): it rings the queue's doorbell before it sleeps."""
-        return self.polls and self.poll_delay >= LISTEN_AFTER
+        poll delay, or `poll_delay`, reached LISTEN_AFTER): it rings the queue's doorbell before
+        it sleeps."""
+        return self.polls and (self.poll_delay if poll_delay is None else poll_delay) >= LISTEN_AFTER
 
     def ring_if_empty(self, node: nodes.Node) -> float | None:
         """How long the fetch is to ring the doorbell for if it finds nothing, where the worker
         would ring right after it (listen): one round trip less each time it goes idle."""
-        if node.is_peer or not self.polls or self.delay.due_in is not None or self.peer_workers:
+        if node.is_peer or self.delay.due_in is not None or self.peer_workers:
             return None
-        return min(self.loop_delay, self.listen_wait) if 2 * self.poll_delay >= LISTEN_AFTER else None
+        # the poll delay an empty answer leaves (work's end) decides, as it will in sleep
+        empty_delay = min(2 * self.poll_delay, POLL_MAX)
+        return min(self.loop_delay, self.listen_wait) if self.rings(empty_delay) else None
 
     def listen(self, seconds: float) -> float:
         """A consumer that makes its provider's ticks: ring the queue's doorbell (unless the
