@@ -62,6 +62,44 @@ def test_an_early_fetch_opens_the_batch_its_commit_makes_durable(db):
         assert conn.execute("select 1").fetchone() == (1,)
 
 
+class CutShort(BaseException):
+    """What a daemon's SIGTERM handler raises (SystemExit), raised here by a timer."""
+
+
+def test_a_wait_for_the_commit_cut_short_closes_the_session(db):
+    """A signal that ends settle's wait for the commit (a daemon's SIGTERM) leaves the session
+    closed: a statement sent on it half-read would wait forever for its result (a worker's
+    shutdown hung so, finishing its batch).  Settling again is a no-op."""
+    with db.connect() as conn:
+        conn.execute("create table t (i int)")
+        conn.execute(
+            "create function slow_commit() returns trigger language plpgsql as"
+            " $$ begin perform pg_sleep(2); return null; end $$"
+        )
+        conn.execute(
+            "create constraint trigger slow after insert on t deferrable initially deferred"
+            " for each row execute function slow_commit()"
+        )
+        result = roundtrip.send_early(conn, b"insert into t values (1) returning i")
+        assert roundtrip.load_rows(conn, result) == [(1,)]
+
+        def cut_short(_sig, _frame):
+            raise CutShort
+
+        old = signal.signal(signal.SIGALRM, cut_short)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        try:
+            with pytest.raises(CutShort):
+                roundtrip.settle(conn)  # the commit runs the deferred trigger's 2 s sleep
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+        assert conn.closed
+        roundtrip.settle(conn)
+        with pytest.raises(psycopg.OperationalError):
+            conn.execute("select 1")
+
+
 class Beats:
     """A thread that notes the time every 10 ms: whether it ran while the test's thread waited."""
 

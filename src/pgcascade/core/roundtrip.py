@@ -27,7 +27,7 @@ from typing import Any
 import psycopg
 from psycopg import abc
 from psycopg.adapt import Transformer
-from psycopg.pq import ConnStatus, ExecStatus
+from psycopg.pq import ConnStatus, ExecStatus, PipelineStatus
 from psycopg.pq.abc import PGconn, PGresult
 
 _BINDERS: weakref.WeakKeyDictionary[psycopg.Connection, psycopg.ClientCursor] = weakref.WeakKeyDictionary()
@@ -160,6 +160,13 @@ def settle(conn: psycopg.Connection) -> None:
         with contextlib.suppress(psycopg.OperationalError):  # a lost connection: raised below
             pg.exit_pipeline_mode()
         pg.nonblocking = 1
+        if pg.status == ConnStatus.OK and pg.pipeline_status != PipelineStatus.OFF:
+            # results left unread: a signal cut the wait short (SIGTERM: the daemon exits).  A
+            # statement sent now would wait forever for a result the server never sends (no
+            # sync follows it): a worker's shutdown hung there finishing its batch
+            conn.close()
+    if conn.closed:
+        raise psycopg.OperationalError("the wait for a commit was cut short: the session is closed")
     _forward_notifies(conn)
     _check_alive(conn)
     if failed is not None:

@@ -482,5 +482,6 @@ class Worker(PeerLoop, Batches, Daemon):
             and self.unfinished[0] == self.prov_node
         ):
             with contextlib.suppress(psycopg.Error):  # else the next start finds it open, and resumes
+                roundtrip.settle(self.prov)  # a fetch a signal cut short may still be pending
                 q.finish_batch(self.prov, self.unfinished[1])
         self.drop_connections()
