@@ -169,6 +169,10 @@ class PipelineSettings:
         120.0, "seconds a command on a Spark cluster waits for an executor before it gives up", minimum=1
     )
     jdbc_jar: Path = setting(Path("/usr/share/java/postgresql.jar"), "the PostgreSQL JDBC driver")
+    spark_class_cache: str = setting(
+        "~/.cache/pgcascade/spark-classes",
+        "where the Spark driver's classes are saved once for starts in half the time (off: not saved)",
+    )
     spark_copy_min_rows: int | None = setting(
         5_000_000, "tables with at least this many rows copy as Spark tasks (off: never)", minimum=1
     )
