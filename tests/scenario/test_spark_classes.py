@@ -9,6 +9,7 @@ command maps it - read by this test from /proc/PID/maps of that JVM, not from pg
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -35,8 +36,16 @@ print(spark.range(1000).count())
 
 def session(ini: Path) -> tuple[list[str], str]:
     """The archives the session's JVM mapped, and its job's output."""
+    # as a command starts: not with the SPARK_CONF_DIR an in-process session of this test
+    # process set (another cache's: the archive would record another class path, and is not made)
+    env = {k: v for k, v in os.environ.items() if k != "SPARK_CONF_DIR"}
     out = subprocess.run(
-        [sys.executable, "-c", SESSION, str(ini)], capture_output=True, text=True, timeout=300, check=True
+        [sys.executable, "-c", SESSION, str(ini)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env=env,
     )
     mapped, count = out.stdout.splitlines()[-2:]
     return json.loads(mapped), count
