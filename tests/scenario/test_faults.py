@@ -159,6 +159,13 @@ def small_disk():
         shutil.rmtree(base, ignore_errors=True)
 
 
+def fill_the_rest(path: Path) -> None:
+    """Take every byte a file system still has free."""
+    stat = os.statvfs(path.parent)
+    if free := stat.f_bavail * stat.f_frsize:
+        subprocess.run(["fallocate", "-l", str(free), str(path)], check=True)
+
+
 def test_full_disk_stops_the_worker_whole_and_it_continues_after(make_db, tmp_path, daemons, small_disk):
     r = ReplicaSet(make_db("a"), make_db("b"), tmp_path, daemons)
     r.ini("root", r.root)
@@ -184,11 +191,16 @@ def test_full_disk_stops_the_worker_whole_and_it_continues_after(make_db, tmp_pa
             assert "No space left on device" in status["last_error"], status
             check = r.cli("leaf", "status", "--check", check=False)
             assert check.returncode == 2 and "No space left on device" in check.stdout, check.stdout
+            # The space the load left may still let a retry fit (pruned pages of a failed attempt):
+            # take the rest, then no batch can commit and the worker must stay where it failed.
+            fill_the_rest(small_disk / "rest")
+            time.sleep(0.5)
             stuck = applied_tick(r.leaf)
             time.sleep(2)
             assert applied_tick(r.leaf) == stuck, "the worker went on past the failing batch"
             assert_whole(r.leaf)
-            filler.unlink()  # space freed: the worker goes on from that batch by itself
+            for f in (filler, small_disk / "rest"):
+                f.unlink(missing_ok=True)  # space freed: the worker goes on from that batch by itself
         finally:
             assert load.wait(timeout=120) == 0, load.stderr.read()
         r.wait_sync()
