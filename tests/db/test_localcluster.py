@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import socket
+
+import psycopg
+
 from pgcascade.dev.localcluster import new_cluster
 
 
@@ -19,3 +23,19 @@ def test_a_given_base_directory_stays(tmp_path) -> None:
     cluster = new_cluster("scratch", basedir=tmp_path / "clusters")
     cluster.destroy()
     assert (tmp_path / "clusters").is_dir() and not cluster.datadir.exists()
+
+
+def test_a_port_taken_after_it_was_chosen_moves_the_first_start_to_another(tmp_path) -> None:
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        cluster = new_cluster("scratch", basedir=tmp_path / "clusters", port=taken)
+        try:
+            assert cluster.port != taken
+            with psycopg.connect(f"host=127.0.0.1 port={cluster.port} user=postgres dbname=postgres") as conn:
+                assert conn.execute("show port").fetchone() == (str(cluster.port),)
+            cluster.restart()  # and the port it moved to is the one it keeps
+            assert cluster.is_running()
+        finally:
+            cluster.destroy()

@@ -63,6 +63,7 @@ class LocalCluster:
     owns_basedir: bool = False  # new_cluster made basedir: destroy removes it once empty
     fast_unsafe: bool = True
     address: str = "127.0.0.1"
+    _started: bool = field(default=False, init=False, repr=False)  # a port once served stays
 
     @property
     def datadir(self) -> Path:
@@ -114,10 +115,28 @@ class LocalCluster:
         return self
 
     def start(self) -> LocalCluster:
+        for _ in range(5):
+            try:
+                self._pg_ctl_start()
+                self._started = True
+                return self
+            except RuntimeError:
+                # free_port's port was free when chosen, not necessarily now: another process may
+                # have bound it since. Before anything could have connected, move to another port.
+                if self._started or "Address already in use" not in self.log_tail(10):
+                    raise
+                self._move_to(free_port())
+        raise RuntimeError(f"cluster {self.name}: no free port found in 5 tries")
+
+    def _pg_ctl_start(self) -> None:
         self._run(
             str(pg_bindir() / "pg_ctl"), "-D", str(self.datadir), "-l", str(self.logfile), "-w", "start"
         )
-        return self
+
+    def _move_to(self, port: int) -> None:
+        self.port = port
+        with (self.datadir / "postgresql.auto.conf").open("a") as f:
+            f.write(f"port = {port}\n")  # the last setting of a key wins
 
     def stop(self, mode: str = "fast") -> None:
         """Stop the server; mode `immediate` is a crash (no checkpoint), as after a power loss."""
