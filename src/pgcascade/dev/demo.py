@@ -29,7 +29,7 @@ from rich.table import Table
 from pgcascade.core import pgconn
 from pgcascade.core.errors import RuntimeFailure
 from pgcascade.core.pgconn import one, scalar
-from pgcascade.dev.localcluster import new_cluster, pg_bindir
+from pgcascade.dev.localcluster import LocalCluster, new_cluster, pg_bindir
 from pgcascade.monitor.status import set_tree
 from pgcascade.replica import tables as subscriber
 
@@ -97,11 +97,14 @@ def run_demo(seconds: float = 30.0, keep: bool = False, serve_port: int | None =
     console = Console()
     work = Path(tempfile.mkdtemp(prefix="pgcascade-demo-"))
     console.print(f"[bold]pgcascade demo[/bold]: root, branch and leaf clusters in {work}")
-    clusters = {name: new_cluster(name, basedir=work / "clusters") for name in ("root", "branch1", "leaf1")}
-    dbs = {name: c.create_database("shop") for name, c in clusters.items()}
+    clusters: dict[str, LocalCluster] = {}
+    dbs: dict[str, str] = {}
     procs: list[subprocess.Popen] = []
     passed = False
     try:
+        for name in ("root", "branch1", "leaf1"):  # one at a time: a failed start stops those before it
+            clusters[name] = new_cluster(name, basedir=work / "clusters")
+            dbs[name] = clusters[name].create_database("shop")
         ini = build_cascade(work, dbs, procs)
         start_page(console, ini["leaf1"], serve_port, procs)
         load = start_pgbench(dbs["root"], seconds)
