@@ -25,7 +25,10 @@ ticker).
 
     .venv/bin/python bench/path_cpu.py [--system pgcascade|pgcascade-logical|native|londiste|capture|none]
                                        [--rate 500] [--seconds 20] [--tpcb] [--rounds 1]
-                                       [--split] [--statements]
+                                       [--split] [--statements] [--leaf KEY=VALUE ...]
+
+`--leaf` sets a key of pgcascade's leaf ini (`--leaf pace_max=0.05 --leaf pace_pressure=1`): a
+variant to compare with the shipped defaults, run after run in the same hour.
 """
 
 from __future__ import annotations
@@ -178,7 +181,19 @@ def main() -> int:
     ap.add_argument(
         "--statements", action="store_true", help="pg_stat_statements (track = all): the costliest statements"
     )
+    ap.add_argument(
+        "--leaf",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a key of pgcascade's leaf ini instead of its default (a variant to compare; repeatable)",
+    )
     args = ap.parse_args()
+    for kv in args.leaf:
+        key, sep, value = kv.partition("=")
+        if not sep or not key.strip():
+            ap.error(f"--leaf {kv!r}: expected KEY=VALUE")
+        rb.PGC_LEAF[key.strip()] = value.strip()
 
     base = Path(tempfile.mkdtemp(prefix="pgcascade-path-cpu-"))
     os.chmod(base, 0o777)
