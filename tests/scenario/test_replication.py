@@ -107,6 +107,9 @@ def test_worker_sigkilled_20_times_loses_and_repeats_nothing(bench_replica):
     applied) and right after a commit (applied, the batch still open on the root until the next
     fetch: the leaf's own record wins)."""
     r = bench_replica
+    # (the batches' ticks open on the root: a leaf reading between ticks opens none, and
+    # test_between_ticks.py kills it the same way)
+    r.ini("leaf", r.leaf, parallel_copies=2, read_between_ticks="off")
     r.start_ticker()
     load = pgbench(r.root, "-c", "2", "-j", "2", "-T", "20", "-R", "300")
     for point in ("fetched", "applied"):

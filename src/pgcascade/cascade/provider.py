@@ -47,7 +47,14 @@ def change_provider(
             raise UserError(f"{new_provider} carries no queue (a leaf): it cannot be a provider")
         with sub.transaction():
             # the node row lock waits for a batch in flight and keeps the next one out
-            tick = nodes.lock_node(sub, queue).last_tick or 0
+            locked = nodes.lock_node(sub, queue)
+            if locked.last_position is not None:  # only its provider's snapshots say where it is
+                raise UserError(
+                    f"{node.node_name} is between two ticks of {node.provider_node} (it reads between"
+                    " ticks while it is the queue's only reader): its worker lands it on the next"
+                    " tick now that another node reads the queue; try again in a moment"
+                )
+            tick = locked.last_tick or 0
 
             def reached() -> str | None:
                 newest = last_tick_of(prov, queue) or 0

@@ -141,6 +141,11 @@ class WorkerSettings:
     pace_pressure_file: Path = setting(
         Path("/proc/pressure/cpu"), "the PSI file read (a cgroup's cpu.pressure: that group's pressure)"
     )
+    read_between_ticks: bool = setting(
+        True,
+        "a leaf that keeps up, the only reader of its provider's queue, reads the changes committed"
+        " up to its fetch instead of making a tick for each batch (docs/replication.md)",
+    )
 
 
 @dataclass(frozen=True)
@@ -273,7 +278,7 @@ def known_keys() -> list[KeyInfo]:
 
 def _type_name(tp: Any) -> str:
     base, optional = _unwrap(tp)
-    name = {int: "integer", float: "seconds", str: "text", Path: "path"}.get(base, "list")
+    name = {int: "integer", float: "seconds", str: "text", Path: "path", bool: "on or off"}.get(base, "list")
     return f"{name} or off" if optional and base is int else name
 
 
@@ -298,6 +303,12 @@ def convert(name: str, text: str, tp: Any, minimum: float | None) -> Any:
         return Path(text).expanduser()
     if base is str:
         return text
+    if base is bool:
+        if text.lower() in ("on", "true", "yes", "1"):
+            return True
+        if text.lower() in ("off", "false", "no", "0"):
+            return False
+        raise ValueError("must be on or off")
     try:
         value = parse_duration(text) if base is float else base(text)
     except ValueError:

@@ -80,10 +80,14 @@ class Node:
     conflict_policy: str | None = None  # a peer subscription's default conflict policy
     apply_delay: timedelta | None = None  # a delayed leaf: the apply_delay its worker runs with
     all_tables: bool = False  # a subscriber that took the set's tables with add-table --all (and new ones)
+    # a leaf between two ticks of its provider: the snapshot it applied up to, past last_tick
+    # (sql/pgq/53_position.sql); None: at last_tick itself
+    last_position: str | None = None
 
-    def applied(self, tick: int) -> Node:
-        """This node as a batch up to `tick` leaves its row (apply_begin, peer_batch_end)."""
-        return dataclasses.replace(self, last_tick=tick, last_error=None)
+    def applied(self, tick: int, position: str | None = None) -> Node:
+        """This node as a batch up to `tick` (and `position`) leaves its row (apply_begin,
+        peer_batch_end)."""
+        return dataclasses.replace(self, last_tick=tick, last_position=position, last_error=None)
 
     def last_tick_past(self, tick: float) -> bool:
         """Whether this node applied the tick (or one after it)."""
@@ -105,7 +109,7 @@ class Node:
 
 NODE_COLUMNS = (
     "queue_name, node_name, node_type, provider_node, worker_name, last_tick, paused, last_error,"
-    " combined_queue, peer_of, conflict_policy, apply_delay, all_tables"
+    " combined_queue, peer_of, conflict_policy, apply_delay, all_tables, last_position"
 )
 
 
@@ -236,12 +240,16 @@ def applied_tick(conn: psycopg.Connection, queue_name: str) -> int:
     return (row[0] if row else None) or 0
 
 
-RECORD_APPLIED = "update pgcascade.node set last_tick = %s, last_error = null, last_error_time = null where queue_name = %s"
+RECORD_APPLIED = (
+    "update pgcascade.node set last_tick = %s, last_position = %s, last_error = null, last_error_time = null"
+    " where queue_name = %s"
+)
 
 
-def record_applied(conn: psycopg.Connection, queue_name: str, tick: int) -> None:
-    """The batch up to `tick` is applied: in the batch's own transaction (exactly once)."""
-    conn.execute(RECORD_APPLIED, (tick, queue_name))
+def record_applied(conn: psycopg.Connection, queue_name: str, tick: int, position: str | None = None) -> None:
+    """The batch up to `tick` (and `position` past it) is applied: in the batch's own transaction
+    (exactly once)."""
+    conn.execute(RECORD_APPLIED, (tick, position, queue_name))
 
 
 def record_error(conn: psycopg.Connection, queue_name: str, message: str | None) -> None:

@@ -47,6 +47,12 @@ class BatchInfo:
     # next_batch_events with `listen` and no batch: the doorbell rung, and whether events may be
     # pending all the same (consumer_listens' answer)
     pending: bool | None = None
+    # next_position_events: the positions between ticks the batch starts and ends at (None: at
+    # its tick), and whether the consumer is its queue's only reader (sql/pgq/53_position.sql)
+    prev_position: str | None = None
+    cur_position: str | None = None
+    alone: bool | None = None
+    by_ticks: bool | None = None
 
     @property
     def numbered(self) -> int:
@@ -193,6 +199,13 @@ def next_batch_events(
             None if listen is None else round(listen * 1000),
         ),
     )
+    return fetch_batch(conn, query, early, meanwhile)
+
+
+def fetch_batch(
+    conn: psycopg.Connection, query: bytes, early: bool, meanwhile: Callable[[], None] | None
+) -> BatchInfo:
+    """The batch a fetch function's one row describes."""
     if early:
         result = roundtrip.send_early(conn, query, meanwhile)
     else:

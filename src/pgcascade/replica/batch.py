@@ -301,7 +301,10 @@ class Batches:
             if now.provider_node != node.provider_node or now.node_type != node.node_type:
                 return None  # moved (change-provider, takeover) since this round began: start again
             stats = None
-            if now.last_tick is None or now.last_tick == info.prev_tick_id:
+            if now.last_tick is None or (now.last_tick, now.last_position) == (
+                info.prev_tick_id,
+                info.prev_position,
+            ):
                 stats = self.apply_batch(sub, prov, node, tables, info, appliers, rows_applied=lanes)
         if stats is None:
             assert now.last_tick is not None
@@ -373,7 +376,7 @@ class Batches:
                 set_tables.mirror_set_tables(sub, self.queue, set_tables.set_table_rows(prov, self.queue))
         if node.role.copies_events:
             q.branch_tick(sub, self.queue, info.cur_tick_id, info.cur_tick_time, info.cur_tick_event_seq)
-        nodes.record_applied(sub, self.queue, info.cur_tick_id)
+        nodes.record_applied(sub, self.queue, info.cur_tick_id, info.cur_position)
         subscriber_seqs.set_values(sub, self.queue, self.seqs, info.seq_values)
         self.phases.mark("record")
         return stats

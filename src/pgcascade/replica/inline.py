@@ -130,11 +130,13 @@ def read_statements(sub: psycopg.Connection, queue: str, known: Fresh | None) ->
     return _READS[queue]
 
 
-def fresh_after(sub: psycopg.Connection, results: list[PGresult], known: Fresh | None, tick: int) -> Fresh:
+def fresh_after(
+    sub: psycopg.Connection, results: list[PGresult], known: Fresh | None, tick: int, position: str | None
+) -> Fresh:
     """The node and its tables for the next round: read after the commit (the message's last
-    two `results`), or `known` with the node's record at the batch's `tick`."""
+    two `results`), or `known` with the node's record at the batch's `tick` and `position`."""
     if known is not None:
-        return known[0].applied(tick), known[1]
+        return known[0].applied(tick, position), known[1]
     node, tables = results[-2:]
     return roundtrip.load_rows(sub, node, nodes.node_from)[0], roundtrip.load_rows(
         sub, tables, subscriber.table_from
@@ -244,8 +246,16 @@ def apply_message(
         # the batch's events for the set-based statements only (none: an empty array)
         bind(SETTINGS, ("on" if durable else "off", info.events if sets else "[]")),
         bind(
-            "select pgcascade.apply_begin(%s, %s, %s, %s, %s)",
-            (queue, info.prev_tick_id, info.cur_tick_id, node.provider_node, node.node_type.value),
+            "select pgcascade.apply_begin(%s, %s, %s, %s, %s, %s, %s)",
+            (
+                queue,
+                info.prev_tick_id,
+                info.prev_position,
+                info.cur_tick_id,
+                info.cur_position,
+                node.provider_node,
+                node.node_type.value,
+            ),
         ),
         *applies,
         *(
@@ -273,7 +283,7 @@ def apply_message(
         raise
     lsn = results[-1 - len(reads)].get_value(0, 0).decode()  # type: ignore[union-attr]
     assert info.cur_tick_id is not None
-    return Applied(stats, lsn, fresh_after(sub, results, known, info.cur_tick_id))
+    return Applied(stats, lsn, fresh_after(sub, results, known, info.cur_tick_id, info.cur_position))
 
 
 def call_in_transaction(sub: psycopg.Connection, call: Callable[[], object]) -> None:

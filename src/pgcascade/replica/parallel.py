@@ -162,8 +162,10 @@ class ParallelApply:
     weights: dict[str, float] = field(default_factory=dict)  # events per batch, by table, smoothed
 
     def wanted(self, node: nodes.Node, info: BatchInfo) -> bool:
-        """A leaf's batch big enough to be worth the lanes (the tick sequence counts events)."""
-        if self.lanes < 2 or node.role.copies_events or node.combined_queue:
+        """A leaf's batch big enough to be worth the lanes (the tick sequence counts events);
+        never one read between ticks (it comes inline, and nothing of it is open on the
+        provider for the lanes to read)."""
+        if self.lanes < 2 or node.role.copies_events or node.combined_queue or info.cur_position is not None:
             return False
         return info.numbered >= self.min_events
 

@@ -293,7 +293,7 @@ def apply_in_one(
     if roundtrip.load_rows(sub, seqs)[0][0]:
         # as a rule none: they only ever move up, so after the commit is as good
         subscriber_seqs.sync_sequences(prov, sub, node.queue_name)
-    fresh = inline.fresh_after(sub, results, known, info.cur_tick_id)
+    fresh = inline.fresh_after(sub, results, known, info.cur_tick_id, None)
     return stats, fresh, lsn.get_value(0, 0).decode()  # type: ignore[union-attr]
 
 

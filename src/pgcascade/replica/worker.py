@@ -51,6 +51,7 @@ from pgcascade.replica import seqs as subscriber_seqs
 from pgcascade.replica import tables as subscriber
 from pgcascade.replica.apply import REPLICA_SESSION, TableApplier
 from pgcascade.replica.batch import Batches, BatchPhases
+from pgcascade.replica.between import BetweenTicks
 from pgcascade.replica.copies import CopyLauncher
 from pgcascade.replica.copy import BulkCopier
 from pgcascade.replica.delay import ApplyDelay
@@ -115,6 +116,7 @@ class Worker(PeerLoop, Batches, Daemon):
         self.seen_event_seq: int | None = None  # the event sequence at the tick last fetched to
         self.rung: tuple[bool, float] | None = None  # the last fetch rang: (pending, until when)
         self.durability = inline.Durability.new()
+        self.between = BetweenTicks(cfg.worker.read_between_ticks)
         self.seqs: list[tuple[str, str]] = []  # followed sequences (name, here), read every watermark_period
         self.fresh: tuple[nodes.Node, list[subscriber.SubscriberTable]] | None = None
         self.fresh_until = 0.0
@@ -346,6 +348,7 @@ class Worker(PeerLoop, Batches, Daemon):
         max_tick = self.delay.limit(self.cfg, prov, node, cap)
         ticks = not node.is_peer or time.monotonic() >= self.tick_after
         seqs = None if node.is_peer else [s for s, _ in self.seqs] or None
+        to_now = self.between.reads_to_now(node, tables, max_tick, self.commits_async(node))
         self.fetch = (
             None
             if node.is_peer or max_tick is not None
@@ -354,16 +357,19 @@ class Worker(PeerLoop, Batches, Daemon):
         self.ahead_batch = self.staged_ahead(prov, node, max_tick)
         self.paced = self.pacer.wait() if self.ahead_batch is None else 0.0
         self.rung, ring, fetched_at = None, self.ring_if_empty(node), time.monotonic()
+        finish = self.unfinished[1] if self.unfinished and self.unfinished[0] == self.prov_node else None
         if self.ahead_batch is not None:
             info = self.ahead_batch.info  # fetched and staged while the last batch was applied
+        elif to_now or node.last_position is not None:  # (a position held lands on a tick first)
+            info = self.between.fetch(
+                prov, self.queue, node, finish, to_now, INLINE_EVENTS, seqs, self.flush_stats, ring
+            )
         else:
             info = q.next_batch_events(
                 prov,
                 self.queue,
                 node.consumer,
-                finish=self.unfinished[1]
-                if self.unfinished and self.unfinished[0] == self.prov_node
-                else None,
+                finish=finish,
                 max_events=max_events,
                 max_tick=max_tick,
                 inline_events=INLINE_EVENTS,
@@ -376,9 +382,10 @@ class Worker(PeerLoop, Batches, Daemon):
                 meanwhile=self.flush_stats,
                 listen=ring,
             )
-            if ring is not None and info.pending is not None:
-                self.rung = (info.pending, fetched_at + ring)
+        if ring is not None and info.pending is not None:
+            self.rung = (info.pending, fetched_at + ring)
         self.unfinished = None
+        self.between.fetched(info)
         if info.batch_id is not None:
             fetched, numbered = time.monotonic(), info.numbered
             try:
@@ -398,8 +405,9 @@ class Worker(PeerLoop, Batches, Daemon):
             self.poll_delay, self.listen_wait = POLL_MIN, LISTEN_MIN
         elif ticks:
             self.poll_delay = min(2 * self.poll_delay, POLL_MAX)
+        # (a position fetch says where the event sequence was even when it found nothing)
         self.seen_event_seq = (
-            info.cur_tick_event_seq if info.batch_id is not None else info.prev_tick_event_seq
+            info.cur_tick_event_seq if info.cur_tick_event_seq is not None else info.prev_tick_event_seq
         )
         if node.is_peer:  # after a batch: as soon as it may tick; else after its poll delay too
             idle = self.poll_delay if self.polls else PEER_IDLE_POLL

@@ -108,7 +108,8 @@ begin
             i_tick_id, i_queue_name, i_consumer using errcode = 'P0002';
     end if;
     update pgcascade.subscription
-       set sub_last_tick = i_tick_id, sub_batch = null, sub_next_tick = null, sub_active = now()
+       set sub_last_tick = i_tick_id, sub_batch = null, sub_next_tick = null, sub_start_position = null,
+           sub_active = now()
      where sub_id = s.sub_id;
     return 1;
 end $$;

@@ -125,7 +125,9 @@ declare
     sql text;
     xip int8[];
 begin
-    select tick_snapshot into prev_snap from pgcascade.tick where tick_queue = s.sub_queue and tick_id = s.sub_last_tick;
+    -- (a landing batch starts at the consumer's position, not at its tick: 53_position.sql)
+    select coalesce(s.sub_start_position::pg_snapshot, tick_snapshot) into prev_snap
+      from pgcascade.tick where tick_queue = s.sub_queue and tick_id = s.sub_last_tick;
     select tick_snapshot into cur_snap from pgcascade.tick where tick_queue = s.sub_queue and tick_id = s.sub_next_tick;
     cols := 'ev_id, ev_time, ev_txid, (ev_rare).ev_retry as ev_retry, ev_type, ev_data,'
          || ' ev_extra1, (ev_rare).ev_extra2 as ev_extra2, (ev_rare).ev_extra3 as ev_extra3,'
@@ -176,7 +178,8 @@ create or replace function pgcascade.finish_batch(i_batch_id int8) returns int4
 language plpgsql as $$
 begin
     update pgcascade.subscription
-       set sub_last_tick = sub_next_tick, sub_next_tick = null, sub_batch = null, sub_active = now()
+       set sub_last_tick = sub_next_tick, sub_next_tick = null, sub_batch = null, sub_start_position = null,
+           sub_active = now()
      where sub_batch = i_batch_id;
     if not found then
         raise exception 'batch % is not open (finished already, or never existed)', i_batch_id

@@ -163,6 +163,7 @@ begin
         s.sub_last_tick := s.sub_next_tick;
         s.sub_next_tick := null;
         s.sub_batch := null;
+        s.sub_start_position := null;
         finished := true;
     end if;
     if s.sub_batch is null then
@@ -202,7 +203,9 @@ begin
         seq_values := array(select pg_sequence_last_value(to_regclass(n)) from unnest(i_seqs) with ordinality u(n, o)
                              order by o);
     end if;
-    select t.tick_time, t.tick_event_seq, t.tick_snapshot into prev_tick_time, prev_tick_event_seq, prev_snap
+    -- (an open landing batch starts at the consumer's position: 53_position.sql)
+    select t.tick_time, t.tick_event_seq, coalesce(s.sub_start_position::pg_snapshot, t.tick_snapshot)
+      into prev_tick_time, prev_tick_event_seq, prev_snap
       from pgcascade.tick t where t.tick_queue = s.sub_queue and t.tick_id = s.sub_last_tick;
     if not found then
         raise exception 'tick % of consumer "%" on queue "%" no longer exists', s.sub_last_tick, i_consumer, i_queue_name;
@@ -223,7 +226,8 @@ begin
         -- (a consumer that keeps up asks every few milliseconds)
         if finished or s.sub_active < now() - interval '1 second' then
             update pgcascade.subscription
-               set sub_last_tick = s.sub_last_tick, sub_next_tick = null, sub_batch = null, sub_active = now()
+               set sub_last_tick = s.sub_last_tick, sub_next_tick = null, sub_batch = null,
+                sub_start_position = s.sub_start_position, sub_active = now()
              where sub_id = s.sub_id;
         end if;
         if i_listen_ms is not null then
@@ -234,7 +238,7 @@ begin
     if finished or v_next is not null then
         update pgcascade.subscription
            set sub_last_tick = s.sub_last_tick, sub_next_tick = s.sub_next_tick, sub_batch = s.sub_batch,
-               sub_active = now()
+               sub_start_position = s.sub_start_position, sub_active = now()
          where sub_id = s.sub_id;
     end if;
     batch_id := s.sub_batch;

@@ -1,0 +1,103 @@
+"""A leaf that is its root's only reader reads between ticks (sql/pgq/53_position.sql): its
+fetch writes nothing on the root, and its record is a snapshot of the root past its last tick.
+Killed at any point, it loses and repeats nothing; a batch too large to come inline, a second
+reader of the queue or a table to copy makes it land on a tick first.  Equality is an md5 of
+every row computed by PostgreSQL; "applied once" is test_replication's audit trigger."""
+
+from __future__ import annotations
+
+import random
+import time
+
+from test_replication import PGBENCH_TABLES, assert_applied_once, bench_replica, pgbench  # noqa: F401
+
+from pgcascade.dev.localcluster import wait_until
+
+POSITION = "select last_position from pgcascade.node"
+TICKS = "select count(*) from pgcascade.tick"
+
+
+def positions_seen(r, seconds: float) -> int:
+    """How many of the leaf's records, read every 20 ms for `seconds`, were between two ticks."""
+    seen, until = 0, time.monotonic() + seconds
+    with r.leaf.connect() as conn:
+        while time.monotonic() < until:
+            seen += conn.execute(POSITION).fetchone()[0] is not None
+            time.sleep(0.02)
+    return seen
+
+
+def test_a_leaf_reads_between_ticks_and_sigkills_lose_and_repeat_nothing(bench_replica):
+    """Under pgbench the leaf's record is between ticks most of the time, and the root makes far
+    fewer ticks than the leaf applies batches (the ticker's, not one a batch).  The worker is
+    SIGKILLed right after a fetch, right after a commit and at random; a 5,000-row UPDATE (more
+    than comes inline) lands on a tick and is applied by ticks; every table ends equal, each
+    history row written once."""
+    r = bench_replica
+    r.start_ticker()
+    worker = r.start_worker()
+    r.wait_sync()
+    load = pgbench(r.root, "-c", "2", "-j", "2", "-T", "16", "-R", "200")
+    ticks = r.root.scalar(TICKS)
+    assert positions_seen(r, 3) > 50
+    batches = r.log().count("{count: ")
+    time.sleep(2)
+    batches, ticks = r.log().count("{count: ") - batches, r.root.scalar(TICKS) - ticks
+    assert ticks * 2 < batches, f"{ticks} ticks for {batches} batches: the fetch ticked"
+    for point in ("fetched", "applied"):
+        r.daemons.kill(worker)
+        worker = r.start_worker(env={"PGCASCADE_PAUSE_AT": point, "PGCASCADE_PAUSE_MIN_EVENTS": "1"})
+        paused = f"pause point {point} (pid {worker.pid})"
+        wait_until(lambda paused=paused: paused in r.log(), 60, what=paused)
+    r.daemons.kill(worker)
+    worker = r.start_worker()
+    rng = random.Random(11)
+    for _ in range(8):
+        time.sleep(rng.uniform(0.1, 0.6))
+        r.daemons.kill(worker)
+        worker = r.start_worker()
+    with r.root.connect() as conn:
+        conn.execute("update pgbench_accounts set abalance = abalance + 1 where aid <= 5000")
+    assert load.wait(timeout=60) == 0, load.stderr.read()
+    r.wait_sync()
+    r.assert_equal(*PGBENCH_TABLES)
+    assert_applied_once(r)
+
+
+def test_a_second_reader_makes_the_leaf_land_and_keep_to_ticks(bench_replica):
+    """Another consumer registered on the root's queue (what a branch joining the set does): the
+    leaf lands on the next tick and reads by ticks while it is there, then between ticks again
+    once it is gone."""
+    r = bench_replica
+    r.start_ticker()
+    r.start_worker()
+    r.wait_sync()
+    load = pgbench(r.root, "-c", "2", "-j", "2", "-T", "40", "-R", "100")
+    try:
+        assert positions_seen(r, 2) > 10
+        with r.root.connect() as conn:
+            conn.execute("select pgcascade.register_consumer('rep', 'another')")
+        wait_until(lambda: r.leaf.scalar(POSITION) is None, 30, what="the leaf on a tick")
+        assert positions_seen(r, 3) == 0
+        with r.root.connect() as conn:
+            conn.execute("select pgcascade.unregister_consumer('rep', 'another')")
+        wait_until(lambda: positions_seen(r, 0.5) > 0, 30, what="the leaf between ticks again")
+    finally:
+        load.kill()
+        load.wait()
+    r.wait_sync()
+    r.assert_equal(*PGBENCH_TABLES)
+    assert_applied_once(r)
+
+
+def test_read_between_ticks_off_keeps_every_batch_on_a_tick(bench_replica):
+    r = bench_replica
+    r.ini("leaf", r.leaf, parallel_copies=2, read_between_ticks="off")
+    r.start_ticker()
+    r.start_worker()
+    r.wait_sync()
+    load = pgbench(r.root, "-c", "2", "-j", "2", "-T", "4", "-R", "200")
+    assert positions_seen(r, 3) == 0
+    assert load.wait(timeout=60) == 0, load.stderr.read()
+    r.wait_sync()
+    r.assert_equal(*PGBENCH_TABLES)
