@@ -59,7 +59,8 @@ def keys() -> list[str]:
     ]
     out += ["| key | group | type | default | meaning |", "|---|---|---|---|---|"]
     for k in known_keys():
-        default = "" if k.default in (None, "", ()) else f"`{k.default}`"
+        shown = ("on" if k.default else "off") if isinstance(k.default, bool) else k.default
+        default = "" if k.default in (None, "", ()) else f"`{shown}`"
         out.append(f"| `{k.name}` | {k.group} | {k.type} | {default} | {k.help} |")
     return [*out, ""]
 

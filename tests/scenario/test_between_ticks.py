@@ -1,4 +1,5 @@
-"""A leaf that is its root's only reader reads between ticks (sql/pgq/53_position.sql): its
+"""A leaf that is its root's only reader reads between ticks (read_between_ticks on;
+sql/pgq/53_position.sql): its
 fetch writes nothing on the root, and its record is a snapshot of the root past its last tick.
 Killed at any point, it loses and repeats nothing; a batch too large to come inline, a second
 reader of the queue or a table to copy makes it land on a tick first.  Equality is an md5 of
@@ -34,6 +35,7 @@ def test_a_leaf_reads_between_ticks_and_sigkills_lose_and_repeat_nothing(bench_r
     than comes inline) lands on a tick and is applied by ticks; every table ends equal, each
     history row written once."""
     r = bench_replica
+    r.ini("leaf", r.leaf, parallel_copies=2, read_between_ticks="on")
     r.start_ticker()
     worker = r.start_worker()
     r.wait_sync()
@@ -69,6 +71,7 @@ def test_a_second_reader_makes_the_leaf_land_and_keep_to_ticks(bench_replica):
     leaf lands on the next tick and reads by ticks while it is there, then between ticks again
     once it is gone."""
     r = bench_replica
+    r.ini("leaf", r.leaf, parallel_copies=2, read_between_ticks="on")
     r.start_ticker()
     r.start_worker()
     r.wait_sync()
@@ -90,9 +93,8 @@ def test_a_second_reader_makes_the_leaf_land_and_keep_to_ticks(bench_replica):
     assert_applied_once(r)
 
 
-def test_read_between_ticks_off_keeps_every_batch_on_a_tick(bench_replica):
+def test_by_default_every_batch_ends_on_a_tick(bench_replica):
     r = bench_replica
-    r.ini("leaf", r.leaf, parallel_copies=2, read_between_ticks="off")
     r.start_ticker()
     r.start_worker()
     r.wait_sync()

@@ -15,14 +15,14 @@ ROWS = 25_000  # each transaction changes this many rows: a batch of at least AH
 TABLES = ("public.t", "public.h")
 
 
-def setup(r, **leaf: object) -> None:
-    """Both tables replicated, the worker stopped (`leaf`: more keys of the leaf's ini)."""
+def setup(r) -> None:
+    """Both tables replicated, the worker stopped."""
     ddl = (
         "create table t (id int primary key, v int)",
         "create table h (id bigint generated always as identity primary key, v int)",
     )
     # a batch merges ticks up to about this many events: one transaction, one batch
-    r.set_up_stopped(ddl, TABLES, max_batch_events=ROWS, **leaf)
+    r.set_up_stopped(ddl, TABLES, max_batch_events=ROWS)
 
 
 BACKLOG = (
@@ -80,9 +80,7 @@ def test_worker_killed_with_the_next_batch_staged_and_this_one_open(replica):
     """The provider finished the batch under way before its commit here: the worker, started
     again, finds the provider ahead of its record and resumes at the record."""
     r = replica
-    # by ticks: its record must be a tick the provider has passed (between ticks the provider
-    # holds nothing of the leaf's to resume from; test_between_ticks.py kills that one)
-    setup(r, read_between_ticks="off")
+    setup(r)
     write_backlog(r)
     before = {t: r.leaf.scalar(f"select count(*) from {t}") for t in TABLES}
     worker = paused_at(r, "staged-ahead")

@@ -107,9 +107,6 @@ def test_worker_sigkilled_20_times_loses_and_repeats_nothing(bench_replica):
     applied) and right after a commit (applied, the batch still open on the root until the next
     fetch: the leaf's own record wins)."""
     r = bench_replica
-    # (the batches' ticks open on the root: a leaf reading between ticks opens none, and
-    # test_between_ticks.py kills it the same way)
-    r.ini("leaf", r.leaf, parallel_copies=2, read_between_ticks="off")
     r.start_ticker()
     load = pgbench(r.root, "-c", "2", "-j", "2", "-T", "20", "-R", "300")
     for point in ("fetched", "applied"):
@@ -243,13 +240,16 @@ def test_copy_process_sigkilled_in_each_state(bench_replica, state):
     assert_applied_once(r)
 
 
-def test_provider_and_subscriber_crash_and_restart(bench_replica):
+@pytest.mark.parametrize("between", ["off", "on"])
+def test_provider_and_subscriber_crash_and_restart(bench_replica, between):
     """The root crashes, then the leaf - with commits its stopped WAL writer never wrote (a leaf
     commits without waiting for the flush), after the worker finished their batches on the root
     and reported its watermark - then the root again.  The root still has the ticks the leaf
-    lost (its watermark counts only flushed commits), and every change is applied once."""
+    lost (its watermark counts only flushed commits), and every change is applied once.  Also
+    with the leaf reading between ticks (read_between_ticks): its positions are durable on the
+    root before it commits by them (the root's asynchronous commits and transaction ids)."""
     r = bench_replica
-    r.ini("leaf", r.leaf, parallel_copies=2, watermark_period=0.1)
+    r.ini("leaf", r.leaf, parallel_copies=2, watermark_period=0.1, read_between_ticks=between)
     r.start_ticker()
     worker = r.start_worker()
     for cluster in (r.root.cluster, r.leaf.cluster, r.root.cluster):

@@ -29,9 +29,11 @@ def test_values_are_converted_to_their_types(tmp_path):
         ini(
             tmp_path,
             "parallel_copies = 4\nloop_delay = 0.5\ndatabase_list = a, b ,c\nsink_path = ~/lake\n"
-            "spark_copy_min_rows = off\nlogfile = /tmp/%(job_name)s.log\nmaint_period = 1",
+            "spark_copy_min_rows = off\nlogfile = /tmp/%(job_name)s.log\nmaint_period = 1\n"
+            "read_between_ticks = On",
         )
     )
+    assert cfg.worker.read_between_ticks is True
     assert cfg.worker.parallel_copies == 4
     assert cfg.loop_delay == 0.5
     assert cfg.ticker.database_list == ("a", "b", "c")
@@ -52,6 +54,7 @@ def test_values_are_converted_to_their_types(tmp_path):
         ),
         ("spark_copy_min_rows = many", "spark_copy_min_rows = 'many': must be a whole number, or off"),
         ("watermark_period = -1", "watermark_period = '-1': must be at least 0.01"),
+        ("read_between_ticks = maybe", "read_between_ticks = 'maybe': must be on or off"),
     ],
 )
 def test_a_bad_value_is_one_line_naming_key_and_file(tmp_path, line, message):

@@ -142,9 +142,10 @@ class WorkerSettings:
         Path("/proc/pressure/cpu"), "the PSI file read (a cgroup's cpu.pressure: that group's pressure)"
     )
     read_between_ticks: bool = setting(
-        True,
+        False,
         "a leaf that keeps up, the only reader of its provider's queue, reads the changes committed"
-        " up to its fetch instead of making a tick for each batch (docs/replication.md)",
+        " up to its fetch instead of making a tick for each batch (docs/replication.md: off until"
+        " its batch rate is governed)",
     )
 
 
