@@ -163,9 +163,9 @@ class ParallelApply:
 
     def wanted(self, node: nodes.Node, info: BatchInfo) -> bool:
         """A leaf's batch big enough to be worth the lanes (the tick sequence counts events);
-        never one read between ticks (it comes inline, and nothing of it is open on the
-        provider for the lanes to read)."""
-        if self.lanes < 2 or node.role.copies_events or node.combined_queue or info.cur_position is not None:
+        never one read between ticks (batch id 0: it comes inline, and nothing of it is open on
+        the provider for the lanes to read)."""
+        if self.lanes < 2 or node.role.copies_events or node.combined_queue or not info.batch_id:
             return False
         return info.numbered >= self.min_events
 
