@@ -10,7 +10,8 @@ from __future__ import annotations
 import random
 import time
 
-from test_replication import PGBENCH_TABLES, assert_applied_once, bench_replica, pgbench  # noqa: F401
+from test_cascade import assert_history_applied_once, cascade  # noqa: F401
+from test_replication import PGBENCH_TABLES, add_apply_audit, assert_applied_once, bench_replica, pgbench  # noqa: F401
 
 from pgcascade.dev.localcluster import wait_until
 
@@ -103,3 +104,54 @@ def test_by_default_every_batch_ends_on_a_tick(bench_replica):
     assert load.wait(timeout=60) == 0, load.stderr.read()
     r.wait_sync()
     r.assert_equal(*PGBENCH_TABLES)
+
+
+def test_a_leaf_between_ticks_moves_to_a_new_branch_only_once_landed(cascade, make_db):
+    """A leaf stopped between ticks of its root: change-provider to a branch created after it is
+    refused (the position means nothing on the branch); the leaf's worker, started again, sees
+    the branch reading the root's queue, lands on a tick, and the move then goes through with
+    nothing lost or applied twice."""
+    c = cascade
+    c.node("s1", make_db("a"))
+    c.node("l", make_db("b"), read_between_ticks="on")
+    c.node("s2", make_db("b"))
+    c.pgbench_root("s1")
+    c.create("l", "leaf", "s1")
+    c.run("l", "add-table", "--all", "--create")
+    add_apply_audit(c.dbs["l"])
+    c.start_all("s1", "l")
+    c.sync("s1", ["l"])
+    load = pgbench(c.dbs["s1"], "-c", "2", "-j", "2", "-T", "30", "-R", "100")
+    try:
+        wait_until(lambda: c.scalar("l", POSITION) is not None, 30, what="the leaf between ticks")
+        while True:  # stopped between ticks
+            c.kill_worker("l")
+            if c.scalar("l", POSITION) is not None:
+                break
+            c.start_worker("l")
+            time.sleep(0.3)
+        c.create("s2", "branch", "s1")
+        c.run("s2", "add-table", "--all", "--create")
+        c.start_all("s2")
+        c.sync("s1", ["s2"])
+        # the race: the leaf knows the branch (its location comes in the queue) before its worker
+        # has landed; here the leaf is given it as its next batch would
+        with c.dbs["s1"].connect() as root, c.dbs["l"].connect() as leaf:
+            row = root.execute(
+                "select queue_name, node_name, node_location from pgcascade.node_location where node_name = 's2'"
+            ).fetchone()
+            leaf.execute(
+                "insert into pgcascade.node_location (queue_name, node_name, node_location) values (%s, %s, %s)",
+                row,
+            )
+        r = c.cli("l", "change-provider", "--provider", "s2", check=False)
+        assert r.returncode == 1 and "between two ticks" in r.stderr, r.stderr
+        c.start_worker("l")
+        wait_until(lambda: c.scalar("l", POSITION) is None, 30, what="the leaf landed on a tick")
+        c.cli("l", "change-provider", "--provider", "s2")
+    finally:
+        load.kill()
+        load.wait()
+    c.sync("s1", ["s2", "l"])
+    c.assert_equal("s1", "l")
+    assert_history_applied_once(c.dbs["l"])

@@ -49,7 +49,7 @@ def change_provider(
             # the node row lock waits for a batch in flight and keeps the next one out
             locked = nodes.lock_node(sub, queue)
             if locked.last_position is not None:  # only its provider's snapshots say where it is
-                raise UserError(
+                raise RuntimeFailure(
                     f"{node.node_name} is between two ticks of {node.provider_node} (it reads between"
                     " ticks while it is the queue's only reader): its worker lands it on the next"
                     " tick now that another node reads the queue; try again in a moment"
