@@ -43,6 +43,24 @@ begin
     end if;$r$, bell::oid, q.queue_name);
 end $$;
 
+-- pgcascade.ring_doorbell(queue_id, wait_ms) -> false when the queue has no doorbell (one made
+-- by a release before it): sets it to now + wait_ms (never lower), so producers numbering events
+-- from now on notify.
+create or replace function pgcascade.ring_doorbell(i_queue_id int4, i_wait_ms int8) returns bool
+language plpgsql as $$
+declare
+    bell regclass := to_regclass(pgcascade.doorbell_name(i_queue_id));
+    until_ms int8 := (extract(epoch from clock_timestamp()) * 1000)::int8 + i_wait_ms;
+begin
+    if bell is null then
+        return false;
+    end if;
+    if coalesce(pg_sequence_last_value(bell), 0) < until_ms then
+        perform setval(bell, until_ms);
+    end if;
+    return true;
+end $$;
+
 -- pgcascade.consumer_listens(queue, wait_ms, seen_event_seq) -> whether events may be pending:
 -- numbered after `seen_event_seq` (the consumer's last tick's), committed or not, or numbered
 -- before the queue's last tick by a transaction then in progress - still in progress (it rang
@@ -55,17 +73,11 @@ returns bool
 language plpgsql set enable_seqscan = off as $$
 declare
     q pgcascade.queue;
-    bell regclass;
     last pgcascade.tick;
-    until_ms int8 := (extract(epoch from clock_timestamp()) * 1000)::int8 + i_wait_ms;
 begin
     q := pgcascade.find_queue(i_queue_name);
-    bell := to_regclass(pgcascade.doorbell_name(q.queue_id));
-    if bell is null then
+    if not pgcascade.ring_doorbell(q.queue_id, i_wait_ms) then
         return true;
-    end if;
-    if coalesce(pg_sequence_last_value(bell), 0) < until_ms then
-        perform setval(bell, until_ms);
     end if;
     if coalesce(pg_sequence_last_value(q.queue_event_seq), 0) > coalesce(i_seen_event_seq, 0) then
         return true;

@@ -227,15 +227,10 @@ create or replace function pgcascade.position_listens(
     q pgcascade.queue, i_wait_ms int8, i_seen_event_seq int8, i_snap pg_snapshot) returns bool
 language plpgsql set enable_seqscan = off as $$
 declare
-    bell regclass := to_regclass(pgcascade.doorbell_name(q.queue_id));
-    until_ms int8 := (extract(epoch from clock_timestamp()) * 1000)::int8 + i_wait_ms;
     lo int4 := q.queue_id * 16;
 begin
-    if bell is null then
+    if not pgcascade.ring_doorbell(q.queue_id, i_wait_ms) then
         return true;
-    end if;
-    if coalesce(pg_sequence_last_value(bell), 0) < until_ms then
-        perform setval(bell, until_ms);
     end if;
     return coalesce(pg_sequence_last_value(q.queue_event_seq), 0) > coalesce(i_seen_event_seq, 0)
         or exists (select 1 from pg_snapshot_xip(i_snap) x
