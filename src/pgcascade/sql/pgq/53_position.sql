@@ -1,11 +1,12 @@
--- Positions between ticks: the fetch of a leaf that keeps up, with nothing written on the provider.
+-- Positions between ticks: the fetch of a leaf that keeps up, with no tick made for it.
 --
--- A tick is a snapshot the provider persists.  A leaf that keeps up used to make one for every
--- batch it fetched (next_batch_events' tick on demand): a row written, two rows locked and a
--- commit to flush on the provider, hundreds of times a second.  Here the leaf reads instead the
+-- A tick is a snapshot the provider persists.  A leaf that keeps up makes one for every batch
+-- it fetches (next_batch_events' tick on demand): a row written, two rows locked and a commit
+-- to flush on the provider, hundreds of times a second.  Here the leaf reads instead the
 -- events of the transactions visible in a snapshot taken by its fetch's statement and not
 -- visible at its position, and records that snapshot (its position) on its own side, in the
--- batch's transaction (apply_begin): nothing of it is kept on the provider.  A position is
+-- batch's transaction (apply_begin): nothing of it is kept on the provider, which only writes
+-- the consumer's row when its WAL must be flushed first (below).  A position is
 -- the newest tick the snapshot covers and the snapshot, so every reader of `last_tick` (lag,
 -- watermarks, retention) sees a tick at or before it.
 --
