@@ -137,20 +137,24 @@ begin
         cur_tick_event_seq := seen;
         if n_events <= i_inline_events and n_bytes <= inline_bytes then
             -- the provider keeps its history from the caller's record on (rotation, the other
-            -- checks): written at most once a second, not at every batch
-            if s.sub_last_tick <> i_tick or s.sub_active < now() - interval '1 second' then
+            -- checks): written at most once a second, not at every batch - or now, as the write
+            -- whose commit flushes the WAL past the snapshot's transactions: a commit that wrote
+            -- no WAL is never flushed, even with a transaction id and synchronous_commit on
+            -- (where synchronous standbys are named, it waits for them too, as a tick's does)
+            if n_events > 0 and (pg_current_wal_flush_lsn() < ins or current_setting('synchronous_standby_names') <> '') then
+                perform set_config('synchronous_commit', 'on', true);
+                update pgcascade.subscription set sub_last_tick = i_tick, sub_active = now() where sub_id = s.sub_id;
+            elsif s.sub_last_tick <> i_tick or s.sub_active < now() - interval '1 second' then
                 update pgcascade.subscription set sub_last_tick = i_tick, sub_active = now() where sub_id = s.sub_id;
             end if;
+            select t.tick_snapshot, t.tick_time into newest_snap, cur_tick_time from pgcascade.tick t
+             where t.tick_queue = q.queue_id and t.tick_id = newest;
             if n_events = 0 then
-                select t.tick_snapshot into newest_snap from pgcascade.tick t
-                 where t.tick_queue = q.queue_id and t.tick_id = newest;
                 if newest > i_tick and (i_position is null or pgcascade.snapshot_covers(newest_snap, pos)) then
                     -- nothing between the position and the newest tick: an empty batch to it
                     batch_id := 0;
                     cur_tick_id := newest;
                     cur_tick_snapshot := newest_snap::text;
-                    select t.tick_time into cur_tick_time from pgcascade.tick t
-                     where t.tick_queue = q.queue_id and t.tick_id = newest;
                     events := '[]';
                     row_counts := '{}';
                     other_events := 0;
@@ -159,17 +163,11 @@ begin
                 events := null;
                 row_counts := null;
                 other_events := null;
+                cur_tick_time := null;
                 if i_listen_ms is not null then
                     pending := pgcascade.position_listens(q, i_listen_ms, seen, cur);
                 end if;
                 return;
-            end if;
-            -- a write, so that the commit flushes: one that wrote no WAL is never flushed, even
-            -- with a transaction id and synchronous_commit on (where synchronous standbys are
-            -- named, it waits for them too, as a tick's does)
-            if pg_current_wal_flush_lsn() < ins or current_setting('synchronous_standby_names') <> '' then
-                perform set_config('synchronous_commit', 'on', true);
-                update pgcascade.subscription set sub_last_tick = i_tick, sub_active = now() where sub_id = s.sub_id;
             end if;
             if i_seqs is not null then  -- read after the snapshot: next_batch_events' rule
                 seq_values := array(select pg_sequence_last_value(to_regclass(n)) from unnest(i_seqs) with ordinality u(n, o)
@@ -179,8 +177,6 @@ begin
             cur_tick_id := newest;
             cur_position := cur::text;
             cur_tick_snapshot := cur_position;
-            select t.tick_time into cur_tick_time from pgcascade.tick t
-             where t.tick_queue = q.queue_id and t.tick_id = newest;
             events := coalesce(events, '[]');
             row_counts := coalesce(row_counts, '{}');
             return;
