@@ -101,6 +101,32 @@ class Meter:
         return {k: after[k] - self.before[k] for k in self.pids}
 
 
+class HostLoad:
+    """The host's CPU pressure (PSI `some`: the share of time a task waited for a CPU) and its
+    idle and iowait shares of all CPUs, between start() and stop(): what a pacer could read."""
+
+    def read(self) -> tuple[float, list[int]]:
+        try:
+            psi = int(Path("/proc/pressure/cpu").read_text().split("total=", 1)[1].split()[0]) / 1e6
+        except (OSError, IndexError, ValueError):
+            psi = float("nan")
+        cpu = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        return psi, cpu
+
+    def start(self) -> None:
+        self.at, (self.psi, self.cpu) = time.monotonic(), self.read()
+
+    def stop(self) -> str:
+        secs = time.monotonic() - self.at
+        psi, cpu = self.read()
+        d = [b - a for a, b in zip(self.cpu, cpu, strict=False)]
+        total = sum(d[:8]) or 1
+        return (
+            f"host: CPU pressure {100 * (psi - self.psi) / secs:.0f} %, idle {100 * d[3] / total:.0f} %,"
+            f" iowait {100 * d[4] / total:.0f} %, steal {100 * d[7] / total:.0f} %"
+        )
+
+
 class Writers:
     """The CPU of pgbench's backends on the provider: sampled while they live (the last value
     seen of each), so that it can be told apart from the provider's other processes.  The
@@ -242,10 +268,13 @@ def main() -> int:
                 wal_before = wal_lsn(prov)
                 syncs_before = [wal_syncs(c) for c in (prov, sub)]
                 meter.start()
+                host = HostLoad()
+                host.start()
                 started = time.monotonic()
                 with writers:
                     r = lag_or_tps(s, pair, args)
                 secs = time.monotonic() - started
+                host_load = host.stop()
                 wal = wal_lsn(prov) - wal_before
                 syncs = [wal_syncs(c) - before for c, before in zip((prov, sub), syncs_before, strict=True)]
                 writers.wait_gone()
@@ -264,7 +293,7 @@ def main() -> int:
                     f"{args.system} round {rnd + 1}: {r['tps']:.0f} tps; {lag}CPU per transaction, µs:"
                     f" {parts}; all {1e6 * total / txns:.0f} ({total / secs:.2f} cores);"
                     f" provider WAL {wal / txns:.0f} bytes a transaction; WAL flushes a second:"
-                    f" provider {syncs[0] / secs:.0f}, subscriber {syncs[1] / secs:.0f}",
+                    f" provider {syncs[0] / secs:.0f}, subscriber {syncs[1] / secs:.0f}; {host_load}",
                     flush=True,
                 )
                 if args.statements:

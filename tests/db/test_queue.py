@@ -510,6 +510,35 @@ def test_a_consumer_ticks_when_a_transaction_open_at_the_last_tick_commits(qdb):
         assert sorted(e[0] for e in json.loads(info.events)) == open_ids
 
 
+def test_an_open_transaction_newer_than_the_tick_neither_makes_a_tick_nor_hides_a_later_commit(qdb):
+    """The first event numbered by a transaction newer than the last tick belongs to one still
+    open: no tick for it; once a later transaction commits an event, the fetch ticks (the
+    check goes past the open one) and the batch holds that event alone, then the open one's
+    when it commits."""
+
+    def fetch(conn: psycopg.Connection, finish: int | None = None):
+        return q.next_batch_events(
+            conn, Q, "c1", finish=finish, max_events=None, max_tick=None, inline_events=100
+        )
+
+    with qdb.connect() as conn, qdb.connect(autocommit=False) as open_tx:
+        consume_all(conn, Q, "c1")
+        q.ticker(conn, Q)
+        consume_all(conn, Q, "c1")
+        open_ids = [q.insert_event(open_tx, Q, "open", f"o{i}") for i in range(2)]
+        ticks = conn.execute("select count(*) from pgcascade.tick").fetchone()[0]
+        assert fetch(conn).batch_id is None  # only uncommitted events: no tick
+        assert conn.execute("select count(*) from pgcascade.tick").fetchone()[0] == ticks
+        later = q.insert_event(conn, Q, "later", "l")  # a newer transaction, committed
+        info = fetch(conn)
+        assert info.batch_id is not None and info.events is not None
+        assert [e[0] for e in json.loads(info.events)] == [later]
+        open_tx.commit()
+        info = fetch(conn, finish=info.batch_id)
+        assert info.batch_id is not None and info.events is not None
+        assert sorted(e[0] for e in json.loads(info.events)) == open_ids
+
+
 def test_sequence_values_of_a_batch_cover_a_row_committed_while_its_call_ticked(qdb):
     """The values of the subscriber's sequences come with each batch; a node promoted to root
     hands out values from them.  A transaction that takes a value and commits while the call
