@@ -199,7 +199,7 @@ begin
                                      or pgcascade.events_committed_since(q.queue_id, last.tick_snapshot)))) then
                 perform 1 from pgcascade.queue where queue_id = q.queue_id for update skip locked;
                 if found then
-                    made := pgcascade.make_tick(q, null, null, null, others);
+                    made := pgcascade.make_tick(q, null, null, null, others, false);  -- (it inserts no event)
                 end if;
             end if;
         end if;
