@@ -3,8 +3,8 @@
 -- snapshot's xmax (xmax is the latest completed xid + 1).  Every xid from xmax up to our own
 -- has not completed either, so listing them as in progress and moving xmax past our xid is
 -- exact: it changes the visibility of our own transaction and nothing else.  `i_own_events`
--- false: the transaction inserted no event, and the snapshot is taken as it is (a fresh one, as
--- the caller's statement's is not).
+-- false: the transaction inserted no event, and the snapshot is taken as it is (here, in a
+-- statement of this function's own: the caller's INSERT's snapshot is older).
 -- (a release before it had no i_own_events)
 drop function if exists pgcascade.tick_snapshot();
 create or replace function pgcascade.tick_snapshot(i_own_events bool default true) returns pg_snapshot
