@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -119,6 +120,7 @@ def callgrind_main(cluster: LocalCluster, variants: dict[str, Path], calls: int,
     finally:
         cluster.stop()
         server.wait(timeout=120)
+        shutil.rmtree(out, ignore_errors=True)  # a file per backend (the cluster's own go with it)
 
 
 def main() -> int:
