@@ -103,7 +103,7 @@ class Meter:
 
 class HostLoad:
     """The host's CPU pressure (PSI `some`: the share of time a task waited for a CPU) and its
-    idle and iowait shares of all CPUs, between start() and stop(): what a pacer could read."""
+    idle, iowait and steal shares of all CPUs, between start() and stop(): what a pacer could read."""
 
     def read(self) -> tuple[float, list[int]]:
         try:
