@@ -51,9 +51,8 @@ def backend_cpu(pid: int) -> float:
     return (int(f[11]) + int(f[12])) / TICK
 
 
-def run(writer: psycopg.Connection, fetcher: psycopg.Connection, calls: int, events: int) -> float:
-    """`calls` rounds; the fetcher's backend CPU seconds after them."""
-    pid = fetcher.info.backend_pid
+def run(writer: psycopg.Connection, fetcher: psycopg.Connection, calls: int, events: int) -> None:
+    """`calls` rounds: a writer's transaction of `events` events, then the consumer's fetch."""
     batch = 0
     for i in range(calls):
         with writer.transaction():
@@ -62,7 +61,6 @@ def run(writer: psycopg.Connection, fetcher: psycopg.Connection, calls: int, eve
         row = fetcher.execute(FETCH, (batch,)).fetchone()
         assert row is not None
         batch = row[0]
-    return backend_cpu(pid)
 
 
 def reset(cluster: LocalCluster) -> None:
@@ -88,14 +86,22 @@ def use(cluster: LocalCluster, sql_file: Path) -> None:
         conn.execute(sql_file.read_text())  # type: ignore[arg-type]
 
 
-def session_instructions(cluster: LocalCluster, out: Path, calls: int, events: int) -> int:
-    """The instructions of a consumer's backend that made `calls` rounds (its callgrind file)."""
+def session(cluster: LocalCluster, calls: int, events: int) -> tuple[int, float, float]:
+    """A consumer's session of `calls` rounds, from the reset state: its backend's pid, the CPU
+    seconds that backend spent on the rounds, and their wall-clock seconds."""
     reset(cluster)
     with cluster.connect() as writer, cluster.connect() as fetcher:
         writer.autocommit = fetcher.autocommit = True
+        fetcher.execute(FETCH, (0,))  # plans made, the consumer at the newest tick
         pid = fetcher.info.backend_pid
-        fetcher.execute(FETCH, (0,))
+        before, started = backend_cpu(pid), time.monotonic()
         run(writer, fetcher, calls, events)
+        return pid, backend_cpu(pid) - before, time.monotonic() - started
+
+
+def session_instructions(cluster: LocalCluster, out: Path, calls: int, events: int) -> int:
+    """The instructions of a consumer's backend that made `calls` rounds (its callgrind file)."""
+    pid, _, _ = session(cluster, calls, events)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # written as the backend exits
         time.sleep(1)
@@ -148,16 +154,8 @@ def main() -> int:
             names = names[rnd % len(names) :] + names[: rnd % len(names)]
             for name in names:
                 use(cluster, variants[name])
-                reset(cluster)
-                with cluster.connect() as writer, cluster.connect() as fetcher:
-                    writer.autocommit = fetcher.autocommit = True
-                    fetcher.execute(FETCH, (0,))  # plans made, the consumer at the newest tick
-                    pid = fetcher.info.backend_pid
-                    before = backend_cpu(pid)
-                    started = time.monotonic()
-                    after = run(writer, fetcher, args.calls, args.events)
-                    secs = time.monotonic() - started
-                us = 1e6 * (after - before) / args.calls
+                _, cpu, secs = session(cluster, args.calls, args.events)
+                us = 1e6 * cpu / args.calls
                 results[name].append(us)
                 print(
                     f"round {rnd + 1} {name}: {us:.0f} us of CPU a fetch ({args.calls / secs:.0f} rounds/s)",
