@@ -3,12 +3,13 @@
 #   bench/queue_bench.py:        PgQ 3 (the PostgreSQL 15 extension) and its ticker daemon pgqd;
 #   bench/replication_bench.py:  Londiste 3 as well (pgq_node and londiste extensions, the
 #                                londiste script for the system Python 3, which has psycopg2);
-#   bench/two_way_bench.py:      pglogical 2 (the PostgreSQL 15 extension, preloaded by the bench).
+#   bench/two_way_bench.py:      pglogical 2 (the PostgreSQL 15 extension, preloaded by the bench);
+#   --callgrind of capture_cpu.py and fetch_cpu.py: valgrind.
 # Native logical replication and pgbench come with PostgreSQL 15 itself. Root only; idempotent.
 set -euo pipefail
 
 PACKAGES=(postgresql-15-pgq3 pgqd postgresql-15-pgq-node postgresql-15-londiste-sql python3-londiste
-  postgresql-15-pglogical)
+  postgresql-15-pglogical valgrind)
 
 if [ "$(id -u)" -ne 0 ]; then
   echo "install-peers: run as root (apt-get install ${PACKAGES[*]})" >&2
