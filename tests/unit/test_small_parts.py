@@ -1,5 +1,8 @@
 """Pure parts that need no server: roles, password redaction, key ranges, buckets, hooks."""
 
+import os
+import socket
+import subprocess
 import time
 
 import pytest
@@ -197,3 +200,29 @@ def test_every_connection_notices_a_dead_link_with_the_configs_tcp_settings(tmp_
     finally:
         pgconn.configure(pgconn.TcpSettings())
     assert conninfo_to_dict(pgconn.with_session_options("dbname=d"))["tcp_user_timeout"] == "60000"
+
+
+def test_a_dead_commands_spark_scratch_folder_is_swept_and_no_other(tmp_path):
+    """A command killed mid-work leaves its folder; the next one removes it, and only it."""
+    from pgcascade.pipeline.session import SCRATCH_OWNER, SCRATCH_PREFIX, sweep_scratch_dirs
+
+    gone = subprocess.Popen(["true"])  # a process that has ended: its pid is free
+    gone.wait()
+    host = socket.gethostname()
+    owners = {
+        "dead": f"{host} {gone.pid}",
+        "alive": f"{host} {os.getpid()}",
+        "elsewhere": f"another-host {gone.pid}",
+        "no-owner": None,
+    }
+    for name, owner in owners.items():
+        d = tmp_path / f"{SCRATCH_PREFIX}{name}"
+        (d / "blockmgr").mkdir(parents=True)
+        if owner:
+            (d / SCRATCH_OWNER).write_text(owner + "\n")
+    (tmp_path / "unrelated").mkdir()
+    assert sweep_scratch_dirs(tmp_path) == [tmp_path / f"{SCRATCH_PREFIX}dead"]
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted(
+        [*(f"{SCRATCH_PREFIX}{n}" for n in ("alive", "elsewhere", "no-owner")), "unrelated"]
+    )

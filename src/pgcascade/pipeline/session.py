@@ -87,10 +87,40 @@ def spark_settings(cfg: JobConfig) -> dict[str, str]:
     return dict(cfg.spark_conf)
 
 
+SCRATCH_PREFIX = "pgcascade-spark-"
+SCRATCH_OWNER = "owner"  # "host pid" of the command that made the folder
+
+
 def _scratch_dir() -> str:
-    d = tempfile.mkdtemp(prefix="pgcascade-spark-")
+    """A scratch folder for this command's Spark, removed at exit; first, those of commands
+    that died without their exit (a SIGKILL, a crash) are swept."""
+    sweep_scratch_dirs(Path(tempfile.gettempdir()))
+    d = tempfile.mkdtemp(prefix=SCRATCH_PREFIX)
+    Path(d, SCRATCH_OWNER).write_text(f"{socket.gethostname()} {os.getpid()}\n")
     atexit.register(shutil.rmtree, d, True)
     return d
+
+
+def sweep_scratch_dirs(parent: Path) -> list[Path]:
+    """Remove the scratch folders under `parent` whose command is gone; the folders removed."""
+    swept = []
+    for d in parent.glob(SCRATCH_PREFIX + "*"):
+        if _owner_gone(d / SCRATCH_OWNER):
+            shutil.rmtree(d, ignore_errors=True)
+            swept.append(d)
+    return swept
+
+
+def _owner_gone(owner: Path) -> bool:
+    """Whether the folder's command was on this host and its process no longer exists (a folder
+    without the file, or where /proc does not tell, is left alone)."""
+    try:
+        host, pid = [*owner.read_text().split(), "", ""][:2]
+    except OSError:
+        return False
+    if host != socket.gethostname() or not pid.isdigit() or not Path("/proc/self").exists():
+        return False
+    return not Path(f"/proc/{pid}").exists()
 
 
 def reachable(remote: str) -> None:
