@@ -12,7 +12,8 @@ counters) and the system's own daemons.  CPU per transaction does not depend on 
 other load the way wall-clock figures do, so it is what designs are compared by here.
 
 The writers' backends (pgbench's sessions) are shown apart (`writers`: the capture triggers run
-there) and left out of `provider`: their CPU is sampled while they live, and the provider's is
+there), with how they were found at each sample (idle between transactions, running, waiting on
+what: a closed-loop load is almost never idle, a rate-limited one often), and left out of `provider`: their CPU is sampled while they live, and the provider's is
 read once the postmaster has reaped them (before, it was read whether they had been reaped or
 not, so `provider` held them in some runs and not in others: 600 against 1,050 µs a transaction
 at 500 tps).  The provider's WAL written per transaction is printed too, and how often each
@@ -127,6 +128,14 @@ class HostLoad:
         )
 
 
+# each writer's backend and what it was doing (a wait event names what it waits on; none while
+# active: on a CPU or queued for one)
+WRITER_STATES = (
+    "select pid, case when state = 'active' then coalesce(wait_event_type || ':' || wait_event, 'running')"
+    " else state end from pg_stat_activity where application_name = 'pgbench'"
+)
+
+
 class Writers:
     """The CPU of pgbench's backends on the provider: sampled while they live (the last value
     seen of each), so that it can be told apart from the provider's other processes.  The
@@ -138,6 +147,7 @@ class Writers:
         self.seen: dict[int, float] = {}
         self.first: dict[int, float] = {}
         self.kind: dict[int, str] = {}
+        self.states: dict[str, int] = {}  # the writers' states seen, by how often
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.sample, daemon=True)
 
@@ -151,8 +161,9 @@ class Writers:
         try:
             with psycopg.connect(self.conninfo, autocommit=True) as conn:
                 while not self.stop.is_set():
-                    for pid in self.pids(conn):
+                    for pid, state in conn.execute(WRITER_STATES):
                         self.seen[pid] = max(self.seen.get(pid, 0.0), proc_cpu(pid))
+                        self.states[state] = self.states.get(state, 0) + 1
                     for name, c in conns:
                         for pid, kind in c.execute(
                             "select pid, backend_type || coalesce(' ' || nullif(application_name, ''), '')"
@@ -166,6 +177,14 @@ class Writers:
         finally:
             for _, c in conns:
                 c.close()
+
+    def state_shares(self) -> str:
+        """How the writers' backends were found: idle (waiting for their client's next
+        transaction), running, or waiting on what."""
+        n = sum(self.states.values()) or 1
+        return ", ".join(
+            f"{k} {100 * v / n:.0f} %" for k, v in sorted(self.states.items(), key=lambda kv: -kv[1])
+        )
 
     def split(self) -> dict[str, float]:
         """CPU seconds of the other server processes seen, by cluster and kind."""
@@ -296,6 +315,7 @@ def main() -> int:
                     f" provider {syncs[0] / secs:.0f}, subscriber {syncs[1] / secs:.0f}; {host_load}",
                     flush=True,
                 )
+                print(f"  writers' backends: {writers.state_shares()}", flush=True)
                 if args.statements:
                     for c in (prov, sub):
                         print_statements(c, pair.name, txns)

@@ -36,13 +36,15 @@ SCHEMA = [
     "insert into words select 'wörd-' || g || '-ü€', case when g % 4 = 0 then null when g % 4 = 1 then '' else 'x' || g end,"
     " jsonb_build_object('g', g, 'l', array[g, g + 1]), '2026-01-01 00:00+02'::timestamptz + g * interval '1 minute',"
     " decode(md5(g::text), 'hex') from generate_series(1, 2000) g",
-    # big values
-    "create table blobs (id int primary key, body text)",
-    f"insert into blobs select g, repeat(chr(65 + g), {BIG}) from generate_series(1, 3) g",
     # empty
     "create table empty (id int primary key, v text)",
 ]
-TABLES = ["public.comp", "public.words", "public.blobs", "public.empty"]
+BLOBS = [  # big values: only for the tests that plant differences in them
+    "create table blobs (id int primary key, body text)",
+    f"insert into blobs select g, repeat(chr(65 + g), {BIG}) from generate_series(1, 3) g",
+]
+SMALL_TABLES = ["public.comp", "public.words", "public.empty"]
+TABLES = [*SMALL_TABLES, "public.blobs"]
 
 
 def leaf_exec(replica, *statements: str) -> None:
@@ -63,17 +65,29 @@ def spark(tmp_path_factory):
     session.stop()
 
 
-@pytest.fixture
-def synced(replica):
-    """Root and leaf with the SCHEMA tables replicated and in sync; ticker and worker running."""
+def sync(replica, statements: list[str], tables: list[str]):
+    """Root and leaf with `tables` made by `statements` replicated and in sync; ticker and
+    worker running."""
     with replica.root.connect() as conn:
-        for s in SCHEMA:
+        for s in statements:
             conn.execute(s)
-    replica.setup(TABLES)
+    replica.setup(tables)
     replica.start_ticker()
     replica.start_worker()
     replica.wait_sync()
     return replica
+
+
+@pytest.fixture
+def synced(replica):
+    """Every table of SCHEMA and BLOBS in sync (30 MB of values to copy)."""
+    return sync(replica, SCHEMA + BLOBS, TABLES)
+
+
+@pytest.fixture
+def synced_small(replica):
+    """The SCHEMA tables in sync, without the blobs."""
+    return sync(replica, SCHEMA, SMALL_TABLES)
 
 
 def compare(replica, spark, *tables: str, **extra) -> dict:
@@ -120,8 +134,8 @@ def test_compare_finds_every_planted_difference_and_nothing_else(synced, spark):
     assert ["21000", "k0"] in res["public.comp"].samples["missing"]
 
 
-def test_values_compare_by_value_not_by_text(synced, spark):
-    r = synced
+def test_values_compare_by_value_not_by_text(synced_small, spark):
+    r = synced_small
     # same values in another text form: 1.5 as 1.50, the same instant in another zone
     with r.root.connect() as conn:
         conn.execute("update comp set n = 1.5 where a = 7")
@@ -132,7 +146,7 @@ def test_values_compare_by_value_not_by_text(synced, spark):
         "update words set t = (t at time zone 'Asia/Tokyo') at time zone 'Asia/Tokyo' where w = 'wörd-10-ü€'",
     )
     res = compare(r, spark)
-    assert counts(res) == {t: (0, 0, 0) for t in TABLES}
+    assert counts(res) == {t: (0, 0, 0) for t in SMALL_TABLES}
     assert table_checksum(r.root, "comp") != table_checksum(r.leaf, "comp")  # the text did change
 
 
@@ -237,11 +251,11 @@ def test_compare_under_pgbench_load_reports_no_false_difference(replica, spark):
     assert counts(res)["public.pgbench_accounts"] == (0, 0, 1)
 
 
-def test_cli_compare_repair_and_count_only(synced, spark):
+def test_cli_compare_repair_and_count_only(synced_small, spark):
     """The verbs' exit codes and outputs.  `compare --json` runs as a process (what the JVM
     might print would break the JSON); the others run in this process, on the module's Spark
     session (a JVM each would double the time), through the same command line."""
-    r = synced
+    r = synced_small
     leaf_exec(r, "delete from comp where a = 35", "update words set note = 'changed' where w = 'wörd-3-ü€'")
     out = run_in_process(r.leaf_ini, "compare", "comp", "words", "--no-progress")
     assert out.returncode == 3, out.stderr
@@ -270,15 +284,15 @@ def test_cli_compare_repair_and_count_only(synced, spark):
     # the file is plain SQL a DBA can read and run with psql, worker stopped (as its header says)
     r.daemons.kill(r.daemons.procs[1])
     subprocess.run(["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-f", str(fix), r.leaf.connstr], check=True)
-    for t in TABLES:
+    for t in SMALL_TABLES:
         assert table_checksum(r.root, t) == table_checksum(r.leaf, t), t
     # protection is back on after the file ran
     with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState), r.leaf.connect() as conn:
         conn.execute("delete from comp")
 
 
-def test_sync_point_gives_up_when_the_worker_is_stopped(synced):
-    r = synced
+def test_sync_point_gives_up_when_the_worker_is_stopped(synced_small):
+    r = synced_small
     r.daemons.kill(r.daemons.procs[1])  # the worker
     with r.root.connect() as conn:
         conn.execute("update comp set v = 'unapplied' where a = 7")
@@ -297,8 +311,8 @@ def test_sync_point_gives_up_when_the_worker_is_stopped(synced):
         conn.execute("update comp set v = 'after' where a = 14")
 
 
-def test_bad_input_is_one_line_and_locks_nothing(synced):
-    r = synced
+def test_bad_input_is_one_line_and_locks_nothing(synced_small):
+    r = synced_small
     cases = [
         (("compare", "nosuch"), {}, 2, "table 'nosuch' is not replicated here"),
         (("repair",), {}, 2, "repair needs --output FILE"),

@@ -7,10 +7,12 @@ there runs code the driver shipped.  PostgreSQL listens on this host's address o
 and every DSN names it, as DSNs must on a real cluster.
 
 What a user checks: the tables equal after a Spark copy, repair --apply finds the planted
-differences (its compare) and fixes them, compare is clean, the sink's compaction equals the
-root, and the master's page lists each command as an application; a master that grants no
-executor gives a one-line error in bounded time.  (What `compare --json` and `repair --output`
-print is the same on any master: test_pipeline_compare checks it in local mode.)
+differences (its compare, the compare verb's code) and fixes them, the sink's compaction equals
+the root, and the master's page lists each command as an application; a master that grants no
+executor gives a one-line error in bounded time.  (What `compare` prints and exits with once the
+tables are equal, `compare --json` and `repair --output` are the same on any master:
+test_pipeline_compare checks them in local mode; a Spark application fewer here keeps the
+suite's time.)
 """
 
 from __future__ import annotations
@@ -122,9 +124,6 @@ def test_copy_compare_repair_and_compact_run_on_the_other_host(cluster_set, spar
     assert found in fix.stdout, fix.stdout + fix.stderr
     assert "applying the fix of 5 differing row(s)" in fix.stderr and "applied: 5 row(s)" in fix.stderr
     assert table_checksum(r.root, ACCOUNTS) == table_checksum(r.leaf, ACCOUNTS)
-    clean = r.cli("leaf", "compare", ACCOUNTS, "--no-progress", check=False, timeout=300)
-    assert clean.returncode == 0, clean.stdout + clean.stderr
-    assert f"{ACCOUNTS}: rows 100000, missing 0, extra 0, different 0: ok" in clean.stdout, clean.stdout
 
     lake = tmp_path / "lake"
     sink_ini = r.ini(
@@ -142,7 +141,7 @@ def test_copy_compare_repair_and_compact_run_on_the_other_host(cluster_set, spar
     assert (len(aid), sum(aid), sum(bal)) == root_sum
 
     names = app_names(spark_cluster)
-    for app in ("pgcascade repair", "pgcascade compare", "pgcascade sink compact"):
+    for app in ("pgcascade repair", "pgcascade sink compact"):
         assert app in names, names
 
 
