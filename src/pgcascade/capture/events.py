@@ -46,7 +46,7 @@ def insert_rows_sql(rel: Relation, queue: str) -> sql.Composed:
         " (select case when %s::text is not null"
         "         then row(null, null, %s, null, null)::pgcascade.event_rare end as rare) o,"
         " (select e->>0 as op, e->1 as v, (e->>2)::timestamptz as t, n"
-        "  from json_array_elements(%s::json) with ordinality a(e, n)) x,"
+        "  from jsonb_array_elements(%s::jsonb) with ordinality a(e, n)) x,"
         " lateral (select {cols}) r"
         " where q.queue_name = {queue} order by x.n"
     ).format(
