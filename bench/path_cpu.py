@@ -13,10 +13,11 @@ other load the way wall-clock figures do, so it is what designs are compared by 
 
 The writers' backends (pgbench's sessions) are shown apart (`writers`: the capture triggers run
 there), with how they were found at each sample (idle between transactions, running, waiting on
-what: a closed-loop load is almost never idle, a rate-limited one often), and left out of `provider`: their CPU is sampled while they live, and the provider's is
-read once the postmaster has reaped them (before, it was read whether they had been reaped or
-not, so `provider` held them in some runs and not in others: 600 against 1,050 µs a transaction
-at 500 tps).  The provider's WAL written per transaction is printed too, and how often each
+what: a closed-loop load is almost never idle, a rate-limited one often), and left out of
+`provider`: their CPU is sampled while they live, and the provider's is read once the
+postmaster has reaped them (before, it was read whether they had been reaped or not, so
+`provider` held them in some runs and not in others: 600 against 1,050 µs a transaction at
+500 tps).  The provider's WAL written per transaction is printed too, and how often each
 cluster flushed its WAL a second (pg_stat_wal).  `--split` breaks both servers' CPU down by kind
 of process (backend_type and application_name, sampled as the writers are); `--statements`
 loads pg_stat_statements (track = all) on both and prints the statements that took most of
