@@ -1,5 +1,6 @@
 """Pure parts that need no server: roles, password redaction, key ranges, buckets, hooks."""
 
+import logging
 import os
 import socket
 import subprocess
@@ -10,6 +11,7 @@ from conftest import SECRET_DSNS
 from psycopg.conninfo import conninfo_to_dict
 
 from pgcascade.core.config import JobConfig, WorkerSettings
+from pgcascade.core.daemon import LOG_FORMAT, RedactingFormatter
 from pgcascade.core.errors import ConfigError, redact
 from pgcascade.core.hooks import pause_point
 from pgcascade.core.pgconn import has_secret, without_secrets
@@ -53,11 +55,24 @@ def test_apply_delay_is_refused_but_on_a_leaf(tmp_path):
         ("host=h password='se cret' dbname=x", "se cret"),
         ("postgresql://u:s3cret@h/db", "s3cret"),
         ("PASSWORD = s3cret", "s3cret"),
+        ("dbname=x PassWord=s3cret", "s3cret"),
+        ("postgres://u:s3cret@h/db", "s3cret"),
     ],
 )
 def test_passwords_never_reach_a_log_line(text, hidden):
     assert hidden not in redact(text)
     assert "***" in redact(text)
+    record = logging.LogRecord("pgcascade", logging.INFO, __file__, 1, "connecting to %s", (text,), None)
+    assert hidden not in RedactingFormatter(LOG_FORMAT).format(record)
+
+
+def test_log_lines_show_the_time_as_logging_does():
+    mine, theirs = RedactingFormatter(LOG_FORMAT), logging.Formatter(LOG_FORMAT)
+    start = time.time()
+    for created in (start, start + 0.25, start + 0.999, start + 1.001, start + 3600.5, start):
+        record = logging.LogRecord("pgcascade", logging.INFO, __file__, 1, "{count: 4}", None, None)
+        record.created, record.msecs = created, int((created - int(created)) * 1000)
+        assert mine.format(record) == theirs.format(record)
 
 
 @pytest.mark.parametrize("dsn", SECRET_DSNS)

@@ -31,6 +31,9 @@ from psycopg.pq import ConnStatus, ExecStatus, PipelineStatus
 from psycopg.pq.abc import PGconn, PGresult
 
 _BINDERS: weakref.WeakKeyDictionary[psycopg.Connection, psycopg.ClientCursor] = weakref.WeakKeyDictionary()
+_ESCAPING: weakref.WeakKeyDictionary[psycopg.Connection, tuple[PGconn, Callable[[bytes], bytes], str]] = (
+    weakref.WeakKeyDictionary()
+)
 _TRANSFORMERS: weakref.WeakKeyDictionary[psycopg.Connection, abc.Transformer] = weakref.WeakKeyDictionary()
 
 
@@ -39,10 +42,12 @@ def compose(conn: psycopg.Connection, query: str, values: Sequence[object]) -> b
     None and a list of str (text[]) quoted here and by libpq, anything else by psycopg's
     mogrify (whose Python machinery cost ~0.2 ms of a loaded worker's batch for its four
     statements; the fetch's list of sequences: 9 -> 2 us)."""
-    escape, encoding = psycopg.pq.Escaping(conn.pgconn).escape_literal, conn.info.encoding
+    escape, encoding = _escaping(conn)
     literals: list[bytes] = []
     for v in values:
-        if v is None:
+        if type(v) is str:  # (most values: the type itself, before isinstance's chain)
+            literals.append(escape(v.encode(encoding)))
+        elif v is None:
             literals.append(b"NULL")
         elif isinstance(v, bool):
             literals.append(b"true" if v else b"false")
@@ -55,6 +60,19 @@ def compose(conn: psycopg.Connection, query: str, values: Sequence[object]) -> b
         else:
             literals.append(binder(conn).mogrify("%s", (v,)).encode(encoding))
     return query.encode() % tuple(literals)
+
+
+def _escaping(conn: psycopg.Connection) -> tuple[Callable[[bytes], bytes], str]:
+    """libpq's literal quoting of `conn` and its client encoding, made once a connection (the
+    encoding is never changed on a worker's connections)."""
+    known = _ESCAPING.get(conn)
+    if known is None or known[0] is not conn.pgconn:
+        known = _ESCAPING[conn] = (
+            conn.pgconn,
+            psycopg.pq.Escaping(conn.pgconn).escape_literal,
+            conn.info.encoding,
+        )
+    return known[1], known[2]
 
 
 def binder(conn: psycopg.Connection) -> psycopg.ClientCursor:
