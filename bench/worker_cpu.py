@@ -9,9 +9,17 @@ printed.  A diagnostic, with no peer:
 what a batch costs on top of its rows.
 
     .venv/bin/python bench/worker_cpu.py [--rate 500] [--seconds 15] [--profile [--sort cumulative]]
+                                         [--callgrind]
 
 `--profile` runs the worker under cProfile with a CPU-time clock and prints the top functions
 (by their own time, or by `--sort`: any of pstats' keys).
+
+`--callgrind` counts the worker's instructions instead (valgrind's callgrind, counters zeroed
+once it runs): one client writes a `-N` transaction every 15 ms, so that the worker, ~50x
+slower under valgrind, finds a batch of ~2 transactions at every round.  Instruction counts
+do not move with the machine's other load, where CPU time does by 20 % from run to run: the
+way to compare two versions of the worker's Python (its CPU a batch also holds the caches'
+refill at every wake-up, which instructions do not show: docs/design.md, session 49).
 """
 
 from __future__ import annotations
@@ -44,6 +52,20 @@ finally:
 """
 
 
+# pgbench's -N transaction, then a pause: --callgrind's load
+PACED_TXN = """\\set aid random(1, 100000 * :scale)
+\\set bid random(1, 1 * :scale)
+\\set tid random(1, 10 * :scale)
+\\set delta random(-5000, 5000)
+BEGIN;
+UPDATE pgbench_accounts SET abalance = abalance + :delta WHERE aid = :aid;
+SELECT abalance FROM pgbench_accounts WHERE aid = :aid;
+INSERT INTO pgbench_history (tid, bid, aid, delta, mtime) VALUES (:tid, :bid, :aid, :delta, CURRENT_TIMESTAMP);
+END;
+\\sleep 15 ms
+"""
+
+
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -55,6 +77,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=int, default=15)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--sort", default="tottime", help="the profile's order (pstats' keys)")
+    ap.add_argument("--callgrind", action="store_true", help="count the worker's instructions a batch")
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="pgcascade-worker-cpu-"))
     os.chmod(base, 0o777)  # the clusters run as postgres when we are root
@@ -104,14 +127,17 @@ def main() -> int:
         cli(leaf_ini, "add-seq", "--all")
         procs.append(subprocess.Popen([PY, "-m", "pgcascade", "ticker", str(ticker)]))
         prof = base / "worker.prof"
+        counts = base / "worker.callgrind"
         cmd = (
             [PY, "-c", PROFILER, str(prof), leaf_ini, "worker"]
             if args.profile
             else [PY, "-m", "pgcascade", leaf_ini, "worker"]
         )
+        if args.callgrind:
+            cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={counts}", *cmd]
         worker = subprocess.Popen(cmd)
         procs.append(worker)
-        time.sleep(3)
+        time.sleep(30 if args.callgrind else 3)  # (valgrind: the imports take ~20 s)
         with b.connect("leaf") as c:
             backend = c.execute(
                 "select pid from pg_stat_activity where application_name = 'pgcascade worker'"
@@ -121,22 +147,23 @@ def main() -> int:
         def batches() -> int:
             return log.read_text().count("{count:")
 
+        if args.callgrind:
+            subprocess.run(["callgrind_control", "--zero", str(worker.pid)], check=True, capture_output=True)
         w0, b0, n0 = cpu_seconds(worker.pid), cpu_seconds(backend), batches()
-        load = [
-            str(pg_bindir() / "pgbench"),
-            "-n",
-            "-c",
-            "2",
-            "-j",
-            "2",
-            "-T",
-            str(args.seconds),
-            "-R",
-            str(args.rate),
-        ]
+        load = [str(pg_bindir() / "pgbench"), "-n", "-T", str(args.seconds)]
+        if args.callgrind:  # one client, a transaction every 15 ms
+            (base / "paced.sql").write_text(PACED_TXN)
+            load += ["-c", "1", "-f", str(base / "paced.sql")]
+        else:
+            load += ["-c", "2", "-j", "2", "-R", str(args.rate)]
         subprocess.run([*load, root], check=True, capture_output=True)
         time.sleep(1)
         n = batches() - n0
+        if args.callgrind:
+            subprocess.run(["callgrind_control", "--dump", str(worker.pid)], check=True, capture_output=True)
+            dumped = max(base.glob("worker.callgrind.*"), key=lambda f: f.stat().st_mtime).read_text()
+            total = int(next(line for line in dumped.splitlines() if line.startswith("totals:")).split()[1])
+            print(f"{n} batches: the worker's instructions {total / n:,.0f} a batch")
         w, bk = cpu_seconds(worker.pid) - w0, cpu_seconds(backend) - b0
         print(
             f"{n} batches in {args.seconds} s at {args.rate} tps: worker process {1000 * w / n:.2f} ms"
