@@ -166,7 +166,8 @@ def main() -> int:
             print(f"{n} batches: the worker's instructions {total / n:,.0f} a batch")
         w, bk = cpu_seconds(worker.pid) - w0, cpu_seconds(backend) - b0
         print(
-            f"{n} batches in {args.seconds} s at {args.rate} tps: worker process {1000 * w / n:.2f} ms"
+            f"{n} batches in {args.seconds} s at {'~60' if args.callgrind else args.rate} tps:"
+            f" worker process {1000 * w / n:.2f} ms"
             f" per batch, its backend {1000 * bk / n:.2f} ms"
         )
         for p in procs:
