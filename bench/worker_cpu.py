@@ -52,20 +52,6 @@ finally:
 """
 
 
-# pgbench's -N transaction, then a pause: --callgrind's load
-PACED_TXN = """\\set aid random(1, 100000 * :scale)
-\\set bid random(1, 1 * :scale)
-\\set tid random(1, 10 * :scale)
-\\set delta random(-5000, 5000)
-BEGIN;
-UPDATE pgbench_accounts SET abalance = abalance + :delta WHERE aid = :aid;
-SELECT abalance FROM pgbench_accounts WHERE aid = :aid;
-INSERT INTO pgbench_history (tid, bid, aid, delta, mtime) VALUES (:tid, :bid, :aid, :delta, CURRENT_TIMESTAMP);
-END;
-\\sleep 15 ms
-"""
-
-
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -152,7 +138,10 @@ def main() -> int:
         w0, b0, n0 = cpu_seconds(worker.pid), cpu_seconds(backend), batches()
         load = [str(pg_bindir() / "pgbench"), "-n", "-T", str(args.seconds)]
         if args.callgrind:  # one client, a transaction every 15 ms
-            (base / "paced.sql").write_text(PACED_TXN)
+            builtin = subprocess.run(  # pgbench's -N transaction, as pgbench shows it
+                [load[0], "--show-script=simple-update"], check=True, capture_output=True, text=True
+            ).stderr
+            (base / "paced.sql").write_text(builtin + "\\sleep 15 ms\n")
             load += ["-c", "1", "-f", str(base / "paced.sql")]
         else:
             load += ["-c", "2", "-j", "2", "-R", str(args.rate)]
