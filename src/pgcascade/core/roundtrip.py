@@ -31,7 +31,7 @@ from psycopg.pq import ConnStatus, ExecStatus, PipelineStatus
 from psycopg.pq.abc import PGconn, PGresult
 
 _BINDERS: weakref.WeakKeyDictionary[psycopg.Connection, psycopg.ClientCursor] = weakref.WeakKeyDictionary()
-_ESCAPING: weakref.WeakKeyDictionary[psycopg.Connection, tuple[PGconn, Callable[[bytes], bytes], str]] = (
+_ESCAPING: weakref.WeakKeyDictionary[psycopg.Connection, tuple[Callable[[bytes], bytes], str]] = (
     weakref.WeakKeyDictionary()
 )
 _TRANSFORMERS: weakref.WeakKeyDictionary[psycopg.Connection, abc.Transformer] = weakref.WeakKeyDictionary()
@@ -66,13 +66,9 @@ def _escaping(conn: psycopg.Connection) -> tuple[Callable[[bytes], bytes], str]:
     """libpq's literal quoting of `conn` and its client encoding, made once a connection (the
     encoding is never changed on a worker's connections)."""
     known = _ESCAPING.get(conn)
-    if known is None or known[0] is not conn.pgconn:
-        known = _ESCAPING[conn] = (
-            conn.pgconn,
-            psycopg.pq.Escaping(conn.pgconn).escape_literal,
-            conn.info.encoding,
-        )
-    return known[1], known[2]
+    if known is None:  # (a connection keeps its libpq connection: one per connection, as _BINDERS)
+        known = _ESCAPING[conn] = (psycopg.pq.Escaping(conn.pgconn).escape_literal, conn.info.encoding)
+    return known
 
 
 def binder(conn: psycopg.Connection) -> psycopg.ClientCursor:
